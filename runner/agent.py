@@ -1,0 +1,181 @@
+"""The agent loop: generate -> parse tool call -> run tool -> append observation -> repeat.
+
+Token in, token out: the chat template is applied once to the opening conversation; after
+that the agent's ids only ever grow by the engine's output ids and the tokenized delta of
+the next turn, so every request's prompt extends the previous one exactly and the engine's
+prefix cache can serve it. Endings are exceptions carrying a status; the loop has no flags.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tools.core import Observation, Tool, ToolContext, cap, check_args, schema
+
+from .engine import ContextLimitExceeded, Engine, SamplingParams
+from .gate import Gate
+from .tasks import Task
+from .template import turn_delta
+from .toolcall import ParseError, parse_tool_call
+
+DEFAULT_SYSTEM = (
+    "You are an autonomous software engineering agent working in a sandboxed shell. "
+    "Solve the user's task step by step. In every reply, think briefly, then call exactly "
+    "one tool. When the task is done, call the submit tool."
+)
+TOOLS_IN_PROMPT = """
+
+# Tools
+You may call one of these tools per reply. Their JSON schemas:
+{schemas}
+
+To call a tool, write a JSON object with "name" and "arguments" inside <tool_call></tool_call> tags, for example:
+<tool_call>{{"name": "bash", "arguments": {{"command": "ls"}}}}</tool_call>"""  # noqa: E501
+OBSERVATION_RECORD_CAP = 4000  # characters of each observation kept in the trajectory
+
+
+class AgentEnd(Exception):
+    status = "error"
+
+    def __init__(self, reason: str = "", answer: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.answer = reason, answer
+
+
+class Submitted(AgentEnd):
+    status = "submitted"
+
+
+class StepLimit(AgentEnd):
+    status = "max_steps"
+
+
+class ContextLimit(AgentEnd):
+    status = "context_limit"
+
+
+@dataclass
+class Step:
+    step: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    gen_seconds: float = 0.0
+    finish_reason: str = ""
+    tool: str | None = None
+    arguments: dict[str, Any] | None = None
+    tool_seconds: float = 0.0
+    observation: str = ""
+    tool_ok: bool | None = None
+    wait_seconds: float = 0.0  # time at the gate before this generation
+
+
+@dataclass
+class Agent:
+    key: str
+    task: Task
+    engine: Engine
+    gate: Gate
+    tools: dict[str, Tool]
+    tool_ctx: ToolContext
+    sampling: SamplingParams
+    max_steps: int
+    on_request: Callable[[int, int], None] = lambda prompt, cached: None
+    on_step: Callable[[Step], None] = lambda step: None
+    steps: list[Step] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+    async def run(self) -> tuple[str, str, str | None]:
+        """Run to the end. -> (status, reason, final answer). Engine failures propagate."""
+        self.start()
+        try:
+            for n in range(1, self.max_steps + 1):
+                await self.step(n)
+            raise StepLimit(f"reached max_steps={self.max_steps} without submitting")
+        except AgentEnd as end:
+            return end.status, end.reason, end.answer
+
+    def start(self) -> None:
+        tok = self.engine.tokenizer
+        schemas = [schema(t) for t in self.tools.values()]
+        self.messages = [dict(m) for m in self.task.messages]
+        if self.messages[0]["role"] != "system":
+            self.messages.insert(0, {"role": "system", "content": DEFAULT_SYSTEM})
+        if not tok.supports_tools:  # e.g. SmolLM2's ChatML: describe the tools ourselves
+            listing = "\n".join(json.dumps(s["function"]) for s in schemas)
+            self.messages[0]["content"] += TOOLS_IN_PROMPT.format(schemas=listing)
+        self.ids = tok.encode(tok.render(self.messages, schemas, add_generation_prompt=True))
+
+    async def step(self, n: int) -> None:
+        step = Step(n)
+        self.steps.append(step)
+        t_wait = time.monotonic()
+        await self.gate.acquire(self.key, len(self.ids))
+        step.wait_seconds = time.monotonic() - t_wait
+        try:
+            gen = await self.engine.generate(self.ids, self.sampling)
+        except ContextLimitExceeded as e:
+            raise ContextLimit(str(e)) from None
+        finally:
+            self.gate.done_request(self.key)
+        self.on_request(gen.prompt_tokens, gen.cached_tokens)
+        step.prompt_tokens, step.cached_tokens = gen.prompt_tokens, gen.cached_tokens
+        step.completion_tokens, step.gen_seconds = gen.completion_tokens, gen.seconds
+        step.finish_reason = gen.finish_reason
+        self.ids += gen.output_ids
+        self.messages.append({"role": "assistant", "content": gen.text})
+
+        obs = await self.act(gen.text, step)
+        step.observation = cap(obs.text, OBSERVATION_RECORD_CAP)
+        step.tool_ok = obs.ok
+        self.on_step(step)
+        if obs.submitted:
+            raise Submitted("the agent called submit", obs.answer)
+        tok = self.engine.tokenizer
+        eos_text = tok.token_text(gen.output_ids[-1]) if gen.stopped_on_eos else ""
+        self.observe(obs.text, eos_text)
+
+    async def act(self, reply: str, step: Step) -> Observation:
+        """Run the tool the reply calls; every failure becomes an observation."""
+        try:
+            call = parse_tool_call(reply, self.tools.keys())
+        except ParseError as e:
+            return Observation(str(e), ok=False)
+        step.tool, step.arguments = call.name, call.arguments
+        tool = self.tools[call.name]
+        problem = check_args(tool, call.arguments)
+        if problem:
+            return Observation(problem, ok=False)
+        t0 = time.monotonic()
+        try:
+            return await tool(call.arguments, self.tool_ctx)
+        except Exception as e:  # a tool bug must not kill the agent
+            return Observation(f"{call.name} failed: {type(e).__name__}: {e}", ok=False)
+        finally:
+            step.tool_seconds = time.monotonic() - t0
+
+    def observe(self, text: str, eos_text: str) -> None:
+        """Append the observation turn. `eos_text`: the end-of-turn token the reply ended on
+        (already in self.ids), or "" if it ended otherwise."""
+        tok = self.engine.tokenizer
+        if tok.supports_tools:
+            role, content = "tool", text
+        else:
+            role, content = "user", f"<tool_response>\n{text}\n</tool_response>"
+        delta = turn_delta(
+            lambda m, g: tok.render(m, None, add_generation_prompt=g), role, content, eos_text
+        )
+        delta_ids = tok.encode(delta)
+        # Leave room for at least a short reply; otherwise the next request cannot fit.
+        if len(self.ids) + len(delta_ids) + 16 >= self.engine.context_limit:
+            raise ContextLimit(
+                f"context full: {len(self.ids)} + {len(delta_ids)} observation tokens exceed "
+                f"{self.engine.context_limit}"
+            )
+        self.ids += delta_ids
+        self.messages.append({"role": role, "content": content})

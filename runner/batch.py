@@ -1,0 +1,241 @@
+"""The batch: every task becomes an agent; all run concurrently under one gate; each finished
+agent becomes one line on disk. One agent's failure is a record, never the batch's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
+
+from tools.core import DEFAULT_TOOLS, ToolContext, get_tools
+
+from .agent import Agent
+from .control import Controller
+from .engine import Engine, EngineError, SamplingParams
+from .gate import Gate
+from .policies import Policy
+from .progress import Progress
+from .store import RunStore
+from .tasks import Task
+
+log = logging.getLogger("concur")
+SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, not the engine
+
+
+@dataclass
+class BatchConfig:
+    max_steps: int = 20
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    control_period: float = 2.0
+    pause_rule: str = "newest"
+    resume_rule: str = "oldest"
+    keep_workspaces: bool = False
+    workspace_root: Path | None = None
+    limits: Limits = field(default_factory=Limits)
+    eval_timeout: float = 300.0
+
+
+@dataclass
+class Totals:
+    prompt: int = 0
+    cached: int = 0
+    generated: int = 0
+    steps: int = 0
+    requests: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    solved: int = 0
+    evaluated: int = 0
+
+
+class Batch:
+    def __init__(
+        self,
+        tasks: list[Task],
+        engine: Engine,
+        sandbox: Sandbox,
+        policy: Policy,
+        store: RunStore,
+        config: BatchConfig,
+        progress: Progress | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tasks = tasks
+        self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
+        self.config = config
+        self.todo = [t for t in tasks if t.id not in store.finished]
+        self.gate = Gate(
+            policy.initial_window(len(self.todo)),
+            unit=policy.unit,
+            pause_rule=config.pause_rule,
+            resume_rule=config.resume_rule,
+        )
+        self.controller = Controller(
+            self.gate, policy, engine.cache_stats, config.control_period, store.control
+        )
+        self.totals = Totals()
+        self.progress = progress
+        self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
+        self._ws_root = config.workspace_root
+
+    async def run(self) -> Totals:
+        for t in self.todo:
+            self.gate.register(t.id)
+        if self._ws_root is None:
+            self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
+        self._ws_root.mkdir(parents=True, exist_ok=True)
+        self._ws_root.chmod(0o755)  # per-agent uids must traverse it
+        try:
+            async with asyncio.TaskGroup() as tg:
+                control = tg.create_task(self.controller.run())
+                ui = tg.create_task(self.progress.run(self)) if self.progress else None
+                async with asyncio.TaskGroup() as agents:
+                    for i, task in enumerate(self.todo):
+                        agents.create_task(self._run_one(i, task))
+                control.cancel()
+                if ui:
+                    ui.cancel()
+        finally:
+            await self.sandbox.aclose()  # no tool process outlives the batch
+            if not self.config.keep_workspaces and self.config.workspace_root is None:
+                shutil.rmtree(self._ws_root, ignore_errors=True)
+        self.controller.step()  # a last control line with the final counts
+        return self.totals
+
+    async def _run_one(self, index: int, task: Task) -> None:
+        """Everything about one agent, end to end. Never raises (except cancellation)."""
+        t0 = time.monotonic()
+        uid = AGENT_UID_BASE + index
+        ws = self._ws_root / task.id
+        ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
+        record: dict[str, Any] = {"task_id": task.id}
+        agent: Agent | None = None
+        try:
+            names = tuple(task.tools) if task.tools else self.config.tools
+            tools = get_tools(names)
+            async with self._setup_sem:
+                setup = await self._prepare(task, ctx)
+            record["setup"] = setup
+            if setup and setup.get("failed"):
+                raise _SetupFailed(setup["failed"])
+            agent = Agent(
+                key=task.id,
+                task=task,
+                engine=self.engine,
+                gate=self.gate,
+                tools=tools,
+                tool_ctx=ctx,
+                sampling=self.config.sampling,
+                max_steps=task.max_steps or self.config.max_steps,
+                on_request=self._on_request,
+            )
+            status, reason, answer = await agent.run()
+        except asyncio.CancelledError:
+            raise  # interrupted: not recorded, so it runs again on resume
+        except (EngineError, _SetupFailed, ValueError) as e:
+            status, reason, answer = "error", f"{type(e).__name__}: {e}", None
+        except Exception as e:  # a bug in one agent must not end the batch
+            log.exception("agent %s crashed", task.id)
+            status, reason, answer = "error", f"{type(e).__name__}: {e}", None
+        finally:
+            self.gate.finish(task.id)
+        if status == "error":
+            self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
+        record.update(
+            status=status,
+            reason=reason,
+            answer=answer,
+            eval=await self._evaluate(task, ctx) if agent is not None else None,
+        )
+        if agent is not None:
+            record.update(self._agent_fields(agent))
+        record["seconds"] = round(time.monotonic() - t0, 3)
+        self.store.add_trajectory(record)
+        self._count(record)
+        if not self.config.keep_workspaces:
+            shutil.rmtree(ws, ignore_errors=True)
+
+    async def _prepare(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
+        ws = ctx.workspace
+        if ws.exists():  # left by an interrupted run: start clean
+            shutil.rmtree(ws)
+        ws.mkdir(parents=True)
+        for rel, content in task.files.items():
+            p = ws / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(content, encoding="utf-8")
+        self.sandbox.prepare_workspace(ws, ctx.uid)
+        if not task.setup:
+            return None
+        out = []
+        for cmd in task.setup:
+            r = await self.sandbox.run(cmd, ws, ctx.uid, self.config.limits)
+            out.append({"command": cmd, "exit_code": r.exit_code, "output": r.output[-2000:]})
+            if r.timed_out or r.exit_code != 0:
+                why = "timed out" if r.timed_out else f"exit code {r.exit_code}"
+                return {"commands": out, "failed": f"setup command {cmd!r} {why}"}
+        return {"commands": out}
+
+    async def _evaluate(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
+        if not task.eval or not ctx.workspace.exists():
+            return None
+        limits = Limits(**{**asdict(self.config.limits), "timeout_s": self.config.eval_timeout})
+        try:
+            r = await self.sandbox.run(task.eval, ctx.workspace, ctx.uid, limits)
+        except OSError as e:  # the sandbox itself failed: a record, not a crash
+            return {"command": task.eval, "solved": False, "error": f"{type(e).__name__}: {e}"}
+        return {
+            "command": task.eval,
+            "exit_code": r.exit_code,
+            "solved": r.exit_code == 0 and not r.timed_out,
+            "timed_out": r.timed_out,
+            "seconds": round(r.seconds, 3),
+            "output_tail": r.output[-2000:],
+        }
+
+    def _on_request(self, prompt: int, cached: int) -> None:
+        self.controller.record(prompt, cached)
+        self.totals.requests += 1
+        self.totals.prompt += prompt
+        self.totals.cached += cached
+
+    @staticmethod
+    def _agent_fields(agent: Agent) -> dict[str, Any]:
+        steps = [asdict(s) for s in agent.steps]
+        for s in steps:
+            for k in ("gen_seconds", "tool_seconds", "wait_seconds"):
+                s[k] = round(s[k], 4)
+        return {
+            "steps": len(agent.steps),
+            "messages": agent.messages,
+            "step_log": steps,
+            "context_tokens": len(agent.ids),
+            "prompt_tokens": sum(s.prompt_tokens for s in agent.steps),
+            "cached_tokens": sum(s.cached_tokens for s in agent.steps),
+            "completion_tokens": sum(s.completion_tokens for s in agent.steps),
+            "gen_seconds": round(sum(s.gen_seconds for s in agent.steps), 3),
+            "tool_seconds": round(sum(s.tool_seconds for s in agent.steps), 3),
+            "wait_seconds": round(sum(s.wait_seconds for s in agent.steps), 3),
+        }
+
+    def _count(self, rec: dict[str, Any]) -> None:
+        t = self.totals
+        t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
+        t.steps += rec.get("steps", 0)
+        t.generated += rec.get("completion_tokens", 0)
+        if rec.get("eval"):
+            t.evaluated += 1
+            t.solved += bool(rec["eval"]["solved"])
+
+
+class _SetupFailed(Exception):
+    pass

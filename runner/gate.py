@@ -1,38 +1,40 @@
 """The agent-level admission gate: mechanism only (the policy decides the window).
 
-Every agent calls `acquire(agent)` before each generation and `done_request(agent)` after it,
+Every agent calls `acquire(agent)` before each generation, `done_request(agent)` after it,
 and `finish(agent)` when it ends. A slot is held for a whole agent life (policy unit "agent")
 or for one request (unit "request").
 
-States of an agent, agent unit:
+States of an agent:
 
-    pending --admit--> active --resize below--> marked --next acquire--> paused
-       ^                 |  ^                      |                       |
-       |                 |  +------unmark----------+                       |
-       |               finish                      +--------resume---------+
-    (registered)         v
-                       done
+    pending --admit--> active --resize below W--> marked --next acquire--> paused
+                        |  ^                        |                        |
+                        |  +--------unmark----------+                        |
+                        |  +--------------------resume-----------------------+
+                      finish -> done                (request unit: active -> idle -> pending)
 
-- `active` and `marked` agents hold a slot; a marked agent still finishes the request it has
+- `active` and `marked` agents hold a slot. A marked agent still finishes the request it has
   in the engine (requests are never cancelled) and stops at its next step boundary, i.e. its
-  next `acquire`, where it gives its slot up and waits as `paused`.
-- Invariant: (slot holders not marked) <= W at every instant, and new slots are granted only
-  while all holders, marked included, are below W (a marked agent's KV is still in use).
+  next `acquire`, where it gives its slot up and waits as `paused`, state and tools kept.
+- Invariant: (slot holders not marked) <= W at every instant; new slots are granted only
+  while all holders, marked ones included, are below W (a marked agent's KV is still in use).
 - Growing W unmarks marked agents first (their cache is warm), then resumes paused agents,
-  then admits pending ones, each in the order the chosen rules give.
-- Waiting is a future per agent; a slot granted to a waiter that got cancelled is passed on.
+  then admits pending ones, in the orders the chosen rules give (documented in PAUSE_RULES
+  and RESUME_RULES; pending agents are admitted in task order).
+- Waiting is one future per agent; a slot granted to a waiter that got cancelled is passed on.
+- Every operation is O(log n) (heaps for the waiters, counts kept incrementally), so the gate
+  stays cheap with tens of thousands of agents; `bench/gate_bench.py` measures it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-PauseRule = Literal["newest", "shortest", "longest"]
-ResumeRule = Literal["oldest", "longest", "shortest"]
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
     "shortest": "pause the agents with the shortest context first (cheapest to recompute)",
@@ -43,12 +45,13 @@ RESUME_RULES: dict[str, str] = {
     "longest": "resume the agent with the longest context first",
     "shortest": "resume the agent with the shortest context first",
 }
+HOLDING = ("active", "marked")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Agent:
     key: str
-    order: int  # registration order: pending agents are admitted FIFO in it
+    order: int  # queue position among pending agents (task order, then re-queue order)
     state: str = "pending"  # pending | active | marked | paused | idle | done
     admitted_seq: int = -1  # when it last got a slot (for the "newest" pause rule)
     context: int = 0  # tokens in its context, as last reported
@@ -92,6 +95,11 @@ class Gate:
         self._clock_fn = clock or (lambda: asyncio.get_running_loop().time())
         self._last_now = 0.0
         self._agents: dict[str, _Agent] = {}
+        self._n: Counter[str] = Counter()  # agents per state
+        self._active: dict[str, _Agent] = {}
+        self._marked: dict[str, _Agent] = {}
+        self._paused_q: list[tuple[float, int, str]] = []  # waiting at a boundary
+        self._pending_q: list[tuple[int, str]] = []  # waiting for a first (or next) slot
         self._order = itertools.count()
         self._admit_seq = itertools.count()
         self._window = max(1, window)
@@ -101,36 +109,42 @@ class Gate:
     # ---- what the agent loop calls -------------------------------------------------------
 
     def register(self, key: str) -> None:
-        """Announce an agent (pending) so the window bound and the admission order know it."""
+        """Announce an agent (pending), so the window bound and the admission order know it."""
         if key not in self._agents:
-            self._agents[key] = _Agent(key, next(self._order), wait_since=self._clock())
+            a = _Agent(key, next(self._order), wait_since=self._clock())
+            self._agents[key] = a
+            self._n["pending"] += 1
 
     async def acquire(self, key: str, context_tokens: int = 0) -> None:
-        """Return when `key` may send its next request. A step boundary."""
+        """Return when `key` may send its next request. Each call is a step boundary."""
         self.register(key)
         a = self._agents[key]
         a.context = context_tokens
         if a.state == "active":
-            return
+            return  # the hot path: an admitted agent between steps
+        if a.state == "done":
+            raise RuntimeError(f"agent {key!r} acquired the gate after finishing")
+        now = self._clock()
         if a.state == "marked":  # stop here: give the slot up and wait to be resumed
-            a.state = "paused"
-            a.paused_since = self._clock()
+            self._move(a, "paused")
+            a.paused_since = now
             self.counters.pauses += 1
             self.counters.events.append(("paused", key))
         elif a.state == "idle":  # request unit: between requests an agent holds nothing
-            a.state = "pending"
-            a.wait_since = self._clock()
+            self._move(a, "pending")
+            a.wait_since = now
             a.order = next(self._order)
-        elif a.state == "done":
-            raise RuntimeError(f"agent {key!r} acquired the gate after finishing")
-        # The future exists before _fill runs, so this agent can be granted in the same pass.
         a.waiter = asyncio.get_running_loop().create_future()
+        if a.state == "paused":
+            heapq.heappush(self._paused_q, (*self._resume_key(a), key))
+        else:
+            heapq.heappush(self._pending_q, (a.order, key))
         try:
-            self._fill()
+            self._fill()  # may grant this very agent
             await a.waiter
         except asyncio.CancelledError:
-            if a.state == "active":  # granted just as we were cancelled: pass the slot on
-                a.state = "done"
+            if a.state in HOLDING:  # granted just as we were cancelled: pass the slot on
+                self._move(a, "done")
                 self._fill()
             raise
         finally:
@@ -139,8 +153,8 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
-        if a is not None and self.unit == "request" and a.state in ("active", "marked"):
-            a.state = "idle"
+        if self.unit == "request" and a is not None and a.state in HOLDING:
+            self._move(a, "idle")
             self._fill()
 
     def finish(self, key: str) -> None:
@@ -153,9 +167,9 @@ class Gate:
             a.paused_seconds += now - a.paused_since
         if a.state == "pending" and a.wait_since is not None:
             a.pending_seconds += now - a.wait_since
-        a.state = "done"
         if a.waiter is not None and not a.waiter.done():
             a.waiter.cancel()
+        self._move(a, "done")
         self._fill()
 
     # ---- what the controller calls -------------------------------------------------------
@@ -165,37 +179,31 @@ class Gate:
         return self._window
 
     def resize(self, window: int) -> int:
-        """Set W (clamped to [1, unfinished]); mark the excess paused or let waiters in.
-        Returns the window actually set."""
-        unfinished = sum(1 for a in self._agents.values() if a.state != "done")
+        """Set W, clamped to [1, unfinished agents]; mark the excess paused (they stop at their
+        next boundary) or let waiters in. Returns the window actually set."""
+        unfinished = len(self._agents) - self._n["done"]
         self._window = max(1, min(window, max(1, unfinished)))
-        running = [a for a in self._agents.values() if a.state == "active"]
-        excess = len(running) - self._window
+        excess = len(self._active) - self._window
         if excess > 0:
-            for a in self._pause_order(running)[:excess]:
-                a.state = "marked"
+            for a in self._pause_order(list(self._active.values()))[:excess]:
+                self._move(a, "marked")
                 self.counters.events.append(("marked", a.key))
         self._fill()
         return self._window
 
     def counts(self) -> dict[str, int]:
-        c = {"active": 0, "paused": 0, "pending": 0, "finished": 0, "in_tool_or_idle": 0}
-        for a in self._agents.values():
-            if a.state == "active":
-                c["active"] += 1
-            elif a.state in ("marked", "paused"):
-                c["paused"] += 1
-            elif a.state == "pending":
-                c["pending"] += 1
-            elif a.state == "done":
-                c["finished"] += 1
-            else:
-                c["in_tool_or_idle"] += 1
-        c["unfinished"] = len(self._agents) - c["finished"]
-        return c
+        n = self._n
+        return {
+            "active": n["active"],
+            "paused": n["marked"] + n["paused"],
+            "pending": n["pending"],
+            "finished": n["done"],
+            "idle": n["idle"],
+            "unfinished": len(self._agents) - n["done"],
+        }
 
     def holders(self) -> int:
-        return sum(1 for a in self._agents.values() if a.state in ("active", "marked"))
+        return self._n["active"] + self._n["marked"]
 
     def drain_events(self) -> list[tuple[str, str]]:
         ev, self.counters.events = self.counters.events, []
@@ -228,6 +236,17 @@ class Gate:
             pass
         return self._last_now
 
+    def _move(self, a: _Agent, state: str) -> None:
+        self._n[a.state] -= 1
+        self._n[state] += 1
+        self._active.pop(a.key, None)
+        self._marked.pop(a.key, None)
+        if state == "active":
+            self._active[a.key] = a
+        elif state == "marked":
+            self._marked[a.key] = a
+        a.state = state
+
     def _pause_order(self, running: list[_Agent]) -> list[_Agent]:
         if self.pause_rule == "shortest":
             return sorted(running, key=lambda a: (a.context, -a.admitted_seq))
@@ -242,31 +261,34 @@ class Gate:
             return (a.context, a.order)
         return (a.paused_since or 0.0, a.order)
 
+    def _pop_waiter(self, queue: list, state: str) -> _Agent | None:
+        """The first agent of a queue that still waits in `state` (stale entries dropped)."""
+        while queue:
+            a = self._agents[queue[0][-1]]
+            if a.state == state and a.waiter is not None and not a.waiter.done():
+                heapq.heappop(queue)
+                return a
+            heapq.heappop(queue)
+        return None
+
     def _fill(self) -> None:
-        agents = self._agents.values()
-        unmarked = sum(1 for a in agents if a.state == "active")
-        # 1. unmark: cheapest to keep going, their KV is still warm
-        if unmarked < self._window:
-            marked = [a for a in agents if a.state == "marked"]
-            for a in sorted(marked, key=lambda a: a.admitted_seq)[: self._window - unmarked]:
-                a.state = "active"
+        # 1. unmark first: cheapest to keep going, their KV is still warm
+        room = self._window - self._n["active"]
+        if room > 0 and self._marked:
+            for a in sorted(self._marked.values(), key=lambda a: a.admitted_seq)[:room]:
+                self._move(a, "active")
                 self.counters.events.append(("unmarked", a.key))
-        holders = self.holders()
-        room = self._window - holders
-        if room > 0:
-            # 2. resume paused agents that are waiting at a boundary, then 3. admit pending
-            paused = sorted(
-                (a for a in agents if a.state == "paused" and a.waiter is not None),
-                key=self._resume_key,
+        # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
+        while self.holders() < self._window:
+            a = self._pop_waiter(self._paused_q, "paused") or self._pop_waiter(
+                self._pending_q, "pending"
             )
-            pending = sorted(
-                (a for a in agents if a.state == "pending" and a.waiter is not None),
-                key=lambda a: a.order,
-            )
-            for a in (paused + pending)[:room]:
-                self._grant(a)
-        self.peak_in_use = max(self.peak_in_use, self.holders())
-        self.counters.max_holders = max(self.counters.max_holders, self.holders())
+            if a is None:
+                break
+            self._grant(a)
+        h = self.holders()
+        self.peak_in_use = max(self.peak_in_use, h)
+        self.counters.max_holders = max(self.counters.max_holders, h)
 
     def _grant(self, a: _Agent) -> None:
         now = self._clock()
@@ -277,12 +299,12 @@ class Gate:
             self.counters.events.append(("resumed", a.key))
         else:
             a.pending_seconds += now - (a.wait_since or now)
-            if not a.ever_admitted or self.unit == "agent":
+            if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
             self.counters.admissions += 1
             a.ever_admitted = True
         a.wait_since = None
-        a.state = "active"
+        self._move(a, "active")
         a.admitted_seq = next(self._admit_seq)
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)

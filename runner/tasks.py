@@ -5,7 +5,9 @@ the valid ones run.
 
 from __future__ import annotations
 
+import csv
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ KNOWN_FIELDS = {
     "id", "prompt", "messages", "system", "max_steps", "files", "setup", "eval", "metadata",
     "tools", "replay", "sampling",
 }  # fmt: skip
+# Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
+NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
 
 
 class TaskSourceError(ValueError):
@@ -66,8 +70,10 @@ def resolve_source(spec: str) -> tuple[str, str]:
 
 
 def _read_records(kind: str, location: str, split: str) -> list[Any]:
-    if kind == "json" and location.endswith(".jsonl"):
+    if kind == "json" and location.lower().endswith(".jsonl"):
         return _read_jsonl(location)
+    if kind == "csv":
+        return _read_csv(location)
     import datasets  # slow import: only when needed
 
     datasets.disable_progress_bars()
@@ -87,7 +93,50 @@ def _read_records(kind: str, location: str, split: str) -> list[Any]:
             f"cannot load tasks from {location!r}: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}{hint}"
         ) from None
-    return list(ds)
+    records = list(ds)
+    if kind in ("parquet", "hub"):
+        # Arrow structs have one schema for all rows: a key present in any row's object shows
+        # up as None in every other row ({"a.py": "x", "b.py": None}). Drop those fillers.
+        records = [_drop_struct_nulls(r) for r in records]
+    return records
+
+
+def _drop_struct_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_struct_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_struct_nulls(v) for v in value]
+    return value
+
+
+def _read_csv(location: str) -> list[Any]:
+    """Every cell as the text it is: a type-inferring reader (pandas, `datasets`) turns an
+    `eval` of "true" into a bool and an id of "007" into 7. Empty cells mean "not given";
+    `max_steps` is the one numeric field."""
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # `files` cells can be large
+    out: list[Any] = []
+    try:
+        with open(location, encoding="utf-8-sig", errors="replace", newline="") as f:
+            for row in csv.DictReader(f):
+                rec = {k: v for k, v in row.items() if isinstance(k, str) and v not in ("", None)}
+                if "max_steps" in rec:
+                    rec["max_steps"] = _number(rec["max_steps"])
+                out.append(rec)
+    except csv.Error as e:
+        raise TaskSourceError(f"cannot load tasks from {location!r}: bad CSV: {e}") from None
+    return out
+
+
+def _number(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text.strip())
+        except ValueError:
+            pass
+    return text  # validate() rejects it with the field name
+
+
+_BLANK = object()  # a blank JSONL line: skipped, but it keeps the line numbering
 
 
 def _read_jsonl(location: str) -> list[Any]:
@@ -96,7 +145,7 @@ def _read_jsonl(location: str) -> list[Any]:
     with open(location, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
-                out.append(None)  # keeps numbering; skipped silently
+                out.append(_BLANK)  # keeps numbering; skipped silently
                 continue
             try:
                 out.append(json.loads(line))
@@ -110,9 +159,10 @@ class _Bad:
     reason: str
 
 
-def _norm(value: Any) -> Any:
-    """CSV/Parquet store nested fields as JSON strings or NaN-like empties: undo that."""
-    if isinstance(value, str) and value[:1] in "[{":
+def _norm(key: str, value: Any) -> Any:
+    """CSV/Parquet store nested fields as JSON strings or NaN-like empties: undo that.
+    Only nested fields: a prompt or eval command that happens to look like JSON stays text."""
+    if key in NESTED_FIELDS and isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
         try:
             return json.loads(value)
         except json.JSONDecodeError:
@@ -126,7 +176,7 @@ def validate(rec: Any) -> Task:
     """A Task, or ValueError with the reason."""
     if not isinstance(rec, dict):
         raise ValueError(f"a task must be a JSON object, got {type(rec).__name__}")
-    rec = {k: _norm(v) for k, v in rec.items() if v is not None}
+    rec = {k: v for k, v in ((k, _norm(k, v)) for k, v in rec.items()) if v is not None}
     tid = rec.get("id")
     if isinstance(tid, int) and not isinstance(tid, bool):
         tid = str(tid)
@@ -210,7 +260,7 @@ def load_tasks(
     errors: list[RecordError] = []
     seen: dict[str, int] = {}
     for n, rec in enumerate(records, start=1):
-        if rec is None:
+        if rec is _BLANK:
             continue
         if isinstance(rec, _Bad):
             errors.append(RecordError(location, n, None, rec.reason))

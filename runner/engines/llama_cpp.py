@@ -166,6 +166,7 @@ class LlamaCppEngine:
     async def aclose(self) -> None:
         self._closing.set()
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._tok.closed = True  # using a closed llama.cpp model segfaults: raise instead
         self._llm.close()
 
     # ---- worker thread ---------------------------------------------------------------
@@ -268,6 +269,7 @@ class LlamaTokenizer:
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
+        self.closed = False
         meta = llm.metadata
         source = meta.get("tokenizer.chat_template")
         if not source:
@@ -282,14 +284,19 @@ class LlamaTokenizer:
                 ids.add(t[0])
         self._eos = frozenset(ids)
 
+    def _model(self) -> Any:
+        if self.closed:
+            raise EngineError("the engine is shut down; its tokenizer cannot be used")
+        return self._llm
+
     def encode(self, text: str) -> list[int]:
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        return self._model().tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def decode(self, ids: list[int]) -> str:
-        return self._llm.detokenize(ids, special=False).decode("utf-8", "replace")
+        return self._model().detokenize(ids, special=False).decode("utf-8", "replace")
 
     def token_text(self, token_id: int) -> str:
-        return self._llm.detokenize([token_id], special=True).decode("utf-8", "replace")
+        return self._model().detokenize([token_id], special=True).decode("utf-8", "replace")
 
     def render(self, messages, tools=None, add_generation_prompt=True) -> str:
         return self.template.render(messages, tools, add_generation_prompt)

@@ -1,0 +1,41 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SWE = ROOT / "tasks" / "swe.jsonl"
+
+
+def small_tasks(path: Path, n: int, max_steps: int = 2) -> Path:
+    """The first n shipped SWE tasks with a short step budget."""
+    lines = SWE.read_text().splitlines()[:n]
+    with path.open("w") as f:
+        for line in lines:
+            rec = json.loads(line)
+            rec["max_steps"] = max_steps
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def run_cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"run.py {' '.join(args)} exited {p.returncode}:\n{p.stderr[-4000:]}")
+    return p
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def needs_bwrap():
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        pytest.fail("these tests need root and bubblewrap (apt-get install -y bubblewrap)")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.control import Controller  # noqa: E402
-from runner.engine import CacheStats, SamplingParams  # noqa: E402
-from runner.gate import Gate  # noqa: E402
-from runner.policies import AIMD  # noqa: E402
+from runner.control import Controller
+from runner.engine import CacheStats, SamplingParams
+from runner.gate import Gate
+from runner.policies import AIMD
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

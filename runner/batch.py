@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
-
 from tools.core import DEFAULT_TOOLS, ToolContext, get_tools
+from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
 
 from .agent import Agent
 from .control import Controller

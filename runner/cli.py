@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import SandboxUnavailable, make_sandbox
-
 from tools.core import REGISTRY as TOOL_REGISTRY
+from tools.sandbox import SandboxUnavailable, make_sandbox
 
 from .batch import Batch, BatchConfig
 from .engine import Engine, SamplingParams

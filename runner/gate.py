@@ -28,6 +28,7 @@ States of an agent:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections import Counter
@@ -230,10 +231,8 @@ class Gate:
 
     def _clock(self) -> float:
         """Loop time; after the loop has closed (final summary), the last time seen."""
-        try:
+        with contextlib.suppress(RuntimeError):
             self._last_now = self._clock_fn()
-        except RuntimeError:
-            pass
         return self._last_now
 
     def _move(self, a: _Agent, state: str) -> None:

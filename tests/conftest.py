@@ -24,8 +24,14 @@ def small_tasks(path: Path, n: int, max_steps: int = 2) -> Path:
 
 def run_cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"run.py {' '.join(args)} exited {p.returncode}:\n{p.stderr[-4000:]}")
     return p

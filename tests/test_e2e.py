@@ -25,7 +25,8 @@ def test_batch_runs_and_writes_everything(tmp_path, needs_bwrap):
     assert "skipping task record" in p.stderr
     trajs = read_jsonl(out / "trajectories.jsonl")
     assert sorted(t["task_id"] for t in trajs) == sorted(
-        json.loads(line)["id"] for line in tasks.read_text().splitlines()[:3])
+        json.loads(line)["id"] for line in tasks.read_text().splitlines()[:3]
+    )
     for t in trajs:
         assert t["status"] in ("submitted", "max_steps", "context_limit")
         assert 1 <= t["steps"] <= 2 and len(t["step_log"]) == t["steps"]
@@ -48,8 +49,20 @@ def test_batch_runs_and_writes_everything(tmp_path, needs_bwrap):
     assert g["policy"] == "aimd" and g["policy_params"]["alpha"] == 2
     assert g["window"]["min"] >= 1 and g["pause_rule"] == "newest"
     control = read_jsonl(out / "control.jsonl")
-    assert control and {"w_before", "w_after", "u", "h", "branch", "active", "paused",
-                        "pending", "finished", "admitted", "paused_ids", "resumed"} <= set(control[0])
+    assert control and {
+        "w_before",
+        "w_after",
+        "u",
+        "h",
+        "branch",
+        "active",
+        "paused",
+        "pending",
+        "finished",
+        "admitted",
+        "paused_ids",
+        "resumed",
+    } <= set(control[0])
     assert sorted(a for c in control for a in c["admitted"]) == sorted(t["task_id"] for t in trajs)
     # same command again: everything is finished, nothing runs twice
     run_cli("--tasks", str(tasks), "--out", str(out), *FAST)
@@ -69,9 +82,11 @@ def test_each_baseline_policy_runs(tmp_path, needs_bwrap, policy):
 
 
 def test_bad_gate_values_are_rejected(tmp_path):
-    for args, msg in ((["--policy", "lru"], "unknown policy"),
-                      (["--beta", "1.5"], "--beta"),
-                      (["--u-low", "0.6"], "--u-low")):
+    for args, msg in (
+        (["--policy", "lru"], "unknown policy"),
+        (["--beta", "1.5"], "--beta"),
+        (["--u-low", "0.6"], "--u-low"),
+    ):
         p = run_cli("--tasks", "swe.jsonl", "--out", str(tmp_path), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, p.stderr
 
@@ -79,8 +94,17 @@ def test_bad_gate_values_are_rejected(tmp_path):
 def test_sigkill_then_resume_finishes_each_task_once(tmp_path, needs_bwrap):
     tasks = small_tasks(tmp_path / "t.jsonl", 6, max_steps=3)
     out = tmp_path / "out"
-    args = [sys.executable, str(ROOT / "run.py"), "--tasks", str(tasks), "--out", str(out),
-            "--policy", "agent-cap:2", *FAST]
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "--tasks",
+        str(tasks),
+        "--out",
+        str(out),
+        "--policy",
+        "agent-cap:2",
+        *FAST,
+    ]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     traj = out / "trajectories.jsonl"
     deadline = time.monotonic() + 300

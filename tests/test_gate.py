@@ -1,6 +1,7 @@
 """Gate semantics on virtual time, with a test-double engine that only models request time."""
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from runner.control import Controller
 from runner.engine import CacheStats
 from runner.gate import Gate
-from runner.policies import AIMD, RequestCap
+from runner.policies import AIMD
 from runner.vclock import run_virtual
 
 
@@ -61,7 +62,7 @@ def test_admitted_agents_in_tools_keep_third_waiting():
         assert [k for _, k in eng.started] == ["A", "B"]
         await asyncio.gather(*tasks)
         # C started only when A finished (after 2 steps: 1 + 10 + 1 + 10 = 22 s)
-        assert [(t, k) for t, k in eng.started if k == "C"][0] == (22.0, "C")
+        assert next((t, k) for t, k in eng.started if k == "C") == (22.0, "C")
 
     run_virtual(main())
 
@@ -87,7 +88,7 @@ def test_shrink_never_cancels_and_pauses_at_boundary():
         assert eng.cancelled == 0
         # after the shrink, at most one request at a time
         late = sorted(t for t, _ in eng.started if t > 1)
-        assert all(b - a >= 4.0 for a, b in zip(late, late[1:], strict=False))
+        assert all(b - a >= 4.0 for a, b in itertools.pairwise(late))
         # most recently admitted (C, then B) were the ones paused
         assert gate.counters.resumes == 2
 
@@ -172,8 +173,11 @@ def test_cancelled_waiter_passes_slot_on():
 
 def test_pause_rules_select_deterministically():
     async def main():
-        for rule, expected in (("newest", {"C", "D"}), ("shortest", {"A", "B"}),
-                               ("longest", {"C", "D"})):
+        for rule, expected in (
+            ("newest", {"C", "D"}),
+            ("shortest", {"A", "B"}),
+            ("longest", {"C", "D"}),
+        ):
             gate = Gate(4, pause_rule=rule)
             waiters = []
             for i, k in enumerate("ABCD"):
@@ -199,8 +203,9 @@ def test_controller_logs_and_resizes(tmp_path):
         for k in "ABCDEF":
             gate.register(k)
         usage = iter([0.65, 0.45, 0.18])
-        ctl = Controller(gate, AIMD(), lambda: CacheStats(next(usage)), 1.0,
-                         tmp_path / "control.jsonl")
+        ctl = Controller(
+            gate, AIMD(), lambda: CacheStats(next(usage)), 1.0, tmp_path / "control.jsonl"
+        )
         ctl.record(100, 15)
         l1 = ctl.step()
         ctl.record(100, 82)
@@ -256,10 +261,12 @@ def test_stress_2000_agents_moving_window():
                     violations.append(("after resize", gate.window))
 
         ctl = asyncio.create_task(controller())
-        await asyncio.gather(*(
-            agent(gate, eng, k, rng.randint(1, 8), rng.uniform(0.05, 2.0), rng.uniform(0, 5.0))
-            for k in keys
-        ))
+        await asyncio.gather(
+            *(
+                agent(gate, eng, k, rng.randint(1, 8), rng.uniform(0.05, 2.0), rng.uniform(0, 5.0))
+                for k in keys
+            )
+        )
         ctl.cancel()
         return gate, violations, admitted
 

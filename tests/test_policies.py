@@ -4,8 +4,19 @@ from runner.policies import AIMD, AgentCap, NoGate, RequestCap, Signals, make_po
 
 
 def sig(window, usage, hit, unfinished=100, **kw):
-    base = dict(now=0.0, window=window, usage=usage, hit_rate=hit, active=window, paused=0,
-                pending=0, finished=0, unfinished=unfinished, requests=1, peak_in_use=window)
+    base = dict(
+        now=0.0,
+        window=window,
+        usage=usage,
+        hit_rate=hit,
+        active=window,
+        paused=0,
+        pending=0,
+        finished=0,
+        unfinished=unfinished,
+        requests=1,
+        peak_in_use=window,
+    )
     base.update(kw)
     return Signals(**base)
 

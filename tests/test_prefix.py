@@ -50,11 +50,20 @@ def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
         uid = AGENT_UID_BASE + 900
         ws.mkdir()
         sandbox.prepare_workspace(ws, uid)
-        task = Task("t1", [{"role": "user", "content": "List the files here with the bash "
-                                                        "tool, then submit."}])
-        agent = Agent("t1", task, eng, Gate(1), get_tools(("bash", "submit")),
-                      ToolContext(ws, uid, sandbox), SamplingParams(temperature=0.7,
-                      max_new_tokens=48, stop=("</tool_call>",), seed=3), max_steps=4)
+        task = Task(
+            "t1",
+            [{"role": "user", "content": "List the files here with the bash tool, then submit."}],
+        )
+        agent = Agent(
+            "t1",
+            task,
+            eng,
+            Gate(1),
+            get_tools(("bash", "submit")),
+            ToolContext(ws, uid, sandbox),
+            SamplingParams(temperature=0.7, max_new_tokens=48, stop=("</tool_call>",), seed=3),
+            max_steps=4,
+        )
         status, _, _ = await agent.run()
         eng.im_start = eng.tokenizer.encode("<|im_start|>")
         await sandbox.aclose()
@@ -68,11 +77,13 @@ def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
     assert len(eng.sent) >= 2, status
     for k in range(len(eng.sent) - 1):
         prefix = eng.sent[k] + eng.outputs[k]
-        assert eng.sent[k + 1][: len(prefix)] == prefix, f"step {k + 2} does not extend step {k + 1}"
+        assert eng.sent[k + 1][: len(prefix)] == prefix, (
+            f"step {k + 2} does not extend step {k + 1}"
+        )
         assert len(eng.sent[k + 1]) > len(prefix)  # the observation turn was appended
     # the delta carries the chat template's turn markers, tokenized as special tokens
     im_start = eng.im_start
     assert len(im_start) == 1
-    assert eng.sent[1][len(eng.sent[0]) + len(eng.outputs[0]):].count(im_start[0]) == 2
+    assert eng.sent[1][len(eng.sent[0]) + len(eng.outputs[0]) :].count(im_start[0]) == 2
     # later requests reuse the cached prefix
     assert all(s.cached_tokens >= len(eng.sent[0]) - 1 for s in agent.steps[1:])

@@ -144,10 +144,12 @@ BAD: list[tuple[object, str]] = [
     ({"id": "dotdot2", "prompt": "p", "files": {"a/../../b": "x"}}, "files"),
     ({"id": "filesval", "prompt": "p", "files": {"a.py": 3}}, "files"),
     (
-        {"id": "endsasst", "messages": [{"role": "user", "content": "u"},
-                                        {"role": "assistant", "content": "a"}]},
+        {
+            "id": "endsasst",
+            "messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+        },
         "user",
-    ),  # fmt: skip
+    ),
     ({"id": "role", "messages": [{"role": "wizard", "content": "w"}]}, "role"),
     ({"id": "msgshape", "messages": [{"role": "user"}]}, "messages[0]"),
     ({"id": "emptymsgs", "messages": []}, "messages"),
@@ -161,10 +163,13 @@ BAD: list[tuple[object, str]] = [
     ({"id": "metalist", "prompt": "p", "metadata": [1]}, "metadata"),
     ({"id": "toolsstr", "prompt": "p", "tools": "bash"}, "tools"),
     (
-        {"id": "twosys", "system": "s", "messages": [{"role": "system", "content": "s2"},
-                                                     {"role": "user", "content": "u"}]},
+        {
+            "id": "twosys",
+            "system": "s",
+            "messages": [{"role": "system", "content": "s2"}, {"role": "user", "content": "u"}],
+        },
         "system",
-    ),  # fmt: skip
+    ),
 ]
 
 

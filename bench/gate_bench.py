@@ -133,11 +133,21 @@ def main() -> None:
         )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "gate.json"
-    out.write_text(json.dumps({
-        "agents": args.agents, "repeats": args.repeats, "gate_us": gate, "engine": engine,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }, indent=2) + "\n")  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "agents": args.agents,
+                "repeats": args.repeats,
+                "gate_us": gate,
+                "engine": engine,
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -8,8 +8,8 @@ prefix cache can serve it. Endings are exceptions carrying a status; the loop ha
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,11 @@ You may call one of these tools per reply. Their JSON schemas:
 To call a tool, write a JSON object with "name" and "arguments" inside <tool_call></tool_call> tags, for example:
 <tool_call>{{"name": "bash", "arguments": {{"command": "ls"}}}}</tool_call>"""  # noqa: E501
 OBSERVATION_RECORD_CAP = 4000  # characters of each observation kept in the trajectory
+
+
+def _now() -> float:
+    """Loop time: wall-clock in real runs, virtual time in simulations."""
+    return asyncio.get_running_loop().time()
 
 
 class AgentEnd(Exception):
@@ -114,9 +119,9 @@ class Agent:
     async def step(self, n: int) -> None:
         step = Step(n)
         self.steps.append(step)
-        t_wait = time.monotonic()
+        t_wait = _now()
         await self.gate.acquire(self.key, len(self.ids))
-        step.wait_seconds = time.monotonic() - t_wait
+        step.wait_seconds = _now() - t_wait
         try:
             gen = await self.engine.generate(self.ids, self.sampling)
         except ContextLimitExceeded as e:
@@ -151,13 +156,13 @@ class Agent:
         problem = check_args(tool, call.arguments)
         if problem:
             return Observation(problem, ok=False)
-        t0 = time.monotonic()
+        t0 = _now()
         try:
             return await tool(call.arguments, self.tool_ctx)
         except Exception as e:  # a tool bug must not kill the agent
             return Observation(f"{call.name} failed: {type(e).__name__}: {e}", ok=False)
         finally:
-            step.tool_seconds = time.monotonic() - t0
+            step.tool_seconds = _now() - t0
 
     def observe(self, text: str, eos_text: str) -> None:
         """Append the observation turn. `eos_text`: the end-of-turn token the reply ended on

@@ -8,8 +8,6 @@ import asyncio
 import logging
 import shutil
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +63,6 @@ class Batch:
         store: RunStore,
         config: BatchConfig,
         progress: Progress | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tasks = tasks
         self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
@@ -109,7 +106,7 @@ class Batch:
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         uid = AGENT_UID_BASE + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
@@ -154,7 +151,7 @@ class Batch:
         )
         if agent is not None:
             record.update(self._agent_fields(agent))
-        record["seconds"] = round(time.monotonic() - t0, 3)
+        record["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
         self.store.add_trajectory(record)
         self._count(record)
         try:

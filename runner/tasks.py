@@ -15,9 +15,19 @@ from typing import Any
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SHIPPED = Path(__file__).resolve().parent.parent / "tasks"
 KNOWN_FIELDS = {
-    "id", "prompt", "messages", "system", "max_steps", "files", "setup", "eval", "metadata",
-    "tools", "replay", "sampling",
-}  # fmt: skip
+    "id",
+    "prompt",
+    "messages",
+    "system",
+    "max_steps",
+    "files",
+    "setup",
+    "eval",
+    "metadata",
+    "tools",
+    "replay",
+    "sampling",
+}
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
 
@@ -47,8 +57,13 @@ class RecordError:
     reason: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "task", "file": self.source, "line": self.line, "task_id": self.task_id,
-                "reason": self.reason}  # fmt: skip
+        return {
+            "kind": "task",
+            "file": self.source,
+            "line": self.line,
+            "task_id": self.task_id,
+            "reason": self.reason,
+        }
 
 
 def resolve_source(spec: str) -> tuple[str, str]:

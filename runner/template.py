@@ -60,8 +60,11 @@ def turn_delta(render: Any, role: str, content: str, eos_text: str) -> str:
     `render(messages, add_generation_prompt)` is the tokenizer's template. If the reply ended
     on the end-of-turn token (which the engine already put in the agent's ids), that token's
     text is not written twice."""
-    head = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": _MARK}]  # fmt: skip
+    head = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": _MARK},
+    ]
     closed = render(head, False)
     close = closed[closed.index(_MARK) + len(_MARK) :]
     full = render([*head, {"role": role, "content": content}], True)

@@ -65,8 +65,13 @@ def check_good(tasks: list[Task]) -> None:
     assert b.max_steps is None and b.eval is None
     assert c.messages == [{"role": "user", "content": "Just do it."}]
     assert (c.max_steps, c.files, c.setup, c.eval, c.metadata, c.tools) == (
-        None, {}, [], None, {}, None,
-    )  # fmt: skip
+        None,
+        {},
+        [],
+        None,
+        {},
+        None,
+    )
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -198,8 +203,12 @@ def test_each_invalid_record_is_reported_with_file_line_and_field(tmp_path):
         raw = path.read_text().splitlines()[e.line - 1]
         assert raw.strip(), e
         j = e.to_json()
-        assert (j["kind"], j["file"], j["line"], j["reason"]) == ("task", str(path), e.line,
-                                                                  e.reason)  # fmt: skip
+        assert (j["kind"], j["file"], j["line"], j["reason"]) == (
+            "task",
+            str(path),
+            e.line,
+            e.reason,
+        )
 
 
 def test_bad_json_line_number_and_task_id(tmp_path):
@@ -287,8 +296,10 @@ def test_parquet_nested_fields_as_json_strings(tmp_path):
 def test_parquet_nested_fields_as_structs(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    setup_as_lists = [{**r, "setup": [r["setup"]] if isinstance(r.get("setup"), str)
-                       else r.get("setup")} for r in GOOD]  # fmt: skip
+    setup_as_lists = [
+        {**r, "setup": [r["setup"]] if isinstance(r.get("setup"), str) else r.get("setup")}
+        for r in GOOD
+    ]
     # One schema for all rows: `files` / `metadata` become structs with the union of keys.
     table = pa.Table.from_pylist(setup_as_lists, schema=_infer_schema(pa, setup_as_lists))
     assert pa.types.is_struct(table.schema.field("files").type)
@@ -347,8 +358,10 @@ def test_csv_keeps_text_as_text_and_reports_bad_rows(tmp_path):
     ]
     assert tasks[0].files == {"a.py": "1"}
     assert [(e.line, e.task_id) for e in errors] == [
-        (2, "bad-steps"), (3, "frac"), (5, "missing-prompt"),
-    ]  # fmt: skip
+        (2, "bad-steps"),
+        (3, "frac"),
+        (5, "missing-prompt"),
+    ]
     assert all("max_steps" in e.reason for e in errors[:2])
     assert "prompt" in errors[2].reason
 
@@ -480,8 +493,11 @@ def test_hub_offline_raises_task_source_error(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub_constants
 
     hf_home = tmp_path / "hf"
-    for var, val in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                     "HF_HOME": str(hf_home)}.items():  # fmt: skip
+    for var, val in {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(hf_home),
+    }.items():
         monkeypatch.setenv(var, val)
     # `datasets` (maybe imported by an earlier test) read the environment at import: patch
     # what it computed from it, too. monkeypatch restores all of it afterwards.
@@ -533,9 +549,20 @@ def test_hub_offline_fresh_process(tmp_path):
         print("WRONG: loaded")
         sys.exit(3)
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}  # fmt: skip
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "PYTHONPATH": str(ROOT),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert HUB_NAME in p.stdout and "network" in p.stdout

@@ -137,7 +137,13 @@ class Submit:
         return Observation("Submitted.", submitted=True, answer=answer)
 
 
-REGISTRY: dict[str, type] = {"bash": Bash, "submit": Submit}
+def _sim_tool() -> Tool:
+    from .sim import SimTool  # only simulated workloads use it
+
+    return SimTool()
+
+
+REGISTRY: dict[str, Any] = {"bash": Bash, "submit": Submit, "sim_tool": _sim_tool}
 DEFAULT_TOOLS = ("bash", "submit")
 
 

@@ -1,0 +1,286 @@
+"""Agent workloads for the simulator: seeded synthetic traces, a trace file format, traces
+derived from a real run, and the simulated model that replays a trace through the runner.
+
+A trace says, per agent: the opening prompt's size, and per step the tokens the model
+generates, the seconds its tool takes and the tokens of the tool's observation. The REAL agent
+loop runs it: the simulated model answers each request with the step's tool call (padded to
+the step's generated tokens), the `sim_tool` sleeps for the tool's seconds on the virtual
+clock and returns an observation of the step's size. All agents share one system prompt.
+
+Trace file (JSONL): a header line {"format": "concur-trace", "version": 1,
+"system_tokens": N, "name": ...}, then one line per agent {"id": str, "prompt_tokens": int,
+"steps": [[generated_tokens, tool_seconds, observation_tokens], ...]}. The last step's tool
+is `submit` (its seconds and observation are ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engines.sim.tokenizer import EOS_ID, SimTokenizer, span, span_ids
+from .tasks import Task
+
+SYSTEM_SEED = 0
+TRACE_FORMAT = "concur-trace"
+
+
+@dataclass(frozen=True)
+class Step:
+    gen_tokens: int
+    tool_seconds: float
+    obs_tokens: int
+
+
+@dataclass
+class AgentTrace:
+    id: str
+    prompt_tokens: int
+    steps: list[Step]
+
+    def total_tokens(self) -> int:
+        return (
+            self.prompt_tokens
+            + sum(s.gen_tokens + s.obs_tokens for s in self.steps[:-1])
+            + (self.steps[-1].gen_tokens if self.steps else 0)
+        )
+
+
+@dataclass
+class Workload:
+    name: str
+    system_tokens: int
+    agents: list[AgentTrace]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    # ---- file format -----------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        with path.open("w") as f:
+            header = {
+                "format": TRACE_FORMAT,
+                "version": 1,
+                "name": self.name,
+                "system_tokens": self.system_tokens,
+                "params": self.params,
+            }
+            f.write(json.dumps(header) + "\n")
+            for a in self.agents:
+                steps = [[s.gen_tokens, round(s.tool_seconds, 4), s.obs_tokens] for s in a.steps]
+                f.write(
+                    json.dumps({"id": a.id, "prompt_tokens": a.prompt_tokens, "steps": steps})
+                    + "\n"
+                )
+
+    @classmethod
+    def load(cls, path: Path) -> Workload:
+        lines = path.read_text().splitlines()
+        if not lines:
+            raise ValueError(f"{path}: empty trace file")
+        head = json.loads(lines[0])
+        if head.get("format") != TRACE_FORMAT:
+            raise ValueError(f'{path}:1: not a trace file (needs "format": "{TRACE_FORMAT}")')
+        agents = []
+        for n, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                steps = [Step(int(g), float(t), int(o)) for g, t, o in rec["steps"]]
+                if not steps or any(
+                    s.gen_tokens < 1 or s.obs_tokens < 0 or s.tool_seconds < 0 for s in steps
+                ):
+                    raise ValueError("steps must be non-empty with positive sizes")
+                agents.append(AgentTrace(str(rec["id"]), int(rec["prompt_tokens"]), steps))
+            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{n}: bad agent record: {e}") from None
+        return cls(
+            head.get("name", path.stem),
+            int(head.get("system_tokens", 0)),
+            agents,
+            head.get("params", {}),
+        )
+
+    @classmethod
+    def from_trajectories(cls, path: Path, system_tokens: int | None = None) -> Workload:
+        """A trace from a real run's trajectories.jsonl: per step, the completion tokens, the
+        tool seconds, and the observation size (the next prompt minus this prompt and
+        this reply). The shared system prompt, unless given, is estimated as the smallest
+        first prompt's cached tokens among agents that had any (the part others had cached)."""
+        agents, shared = [], []
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            log = rec.get("step_log") or []
+            if not log:
+                continue
+            steps = []
+            for cur, nxt in zip(log, [*log[1:], None], strict=True):
+                obs = (
+                    nxt["prompt_tokens"] - cur["prompt_tokens"] - cur["completion_tokens"]
+                    if nxt
+                    else 0
+                )
+                steps.append(
+                    Step(max(1, cur["completion_tokens"]), cur["tool_seconds"], max(0, obs))
+                )
+            if log[0]["cached_tokens"]:
+                shared.append(log[0]["cached_tokens"])
+            agents.append(AgentTrace(rec["task_id"], log[0]["prompt_tokens"], steps))
+        sys_tokens = system_tokens if system_tokens is not None else min(shared, default=0)
+        for a in agents:
+            a.prompt_tokens = max(1, a.prompt_tokens - sys_tokens)
+        return cls(f"replay-{path.parent.name}", sys_tokens, agents, {"source": str(path)})
+
+    # ---- what the runner needs --------------------------------------------------------
+
+    def tasks(self) -> list[Task]:
+        system = span(self.system_tokens, SYSTEM_SEED) if self.system_tokens else "."
+        return [
+            Task(
+                id=a.id,
+                messages=[
+                    {"role": "system", "content": system},
+                    {
+                        "role": "user",
+                        "content": f"{_agent_word(i)} {span(a.prompt_tokens, _seed(i, 0))}",
+                    },
+                ],
+                max_steps=len(a.steps),
+                tools=["sim_tool", "submit"],
+            )
+            for i, a in enumerate(self.agents)
+        ]
+
+    def tokens_per_agent(self) -> dict[str, int]:
+        return {a.id: a.total_tokens() for a in self.agents}
+
+
+def _agent_word(i: int) -> str:
+    return f"agent-{i}"
+
+
+def _seed(agent: int, step: int) -> int:
+    """Unique span seeds per (agent, step); seed 0 is the shared system prompt."""
+    return 1 + agent * 1024 + step
+
+
+class SimModel:
+    """The simulated model: reads which agent and which step a prompt is, and answers with
+    that step's tool call, padded with unique 'reasoning' tokens to the step's size."""
+
+    def __init__(self, workload: Workload, tokenizer: SimTokenizer) -> None:
+        self.w = workload
+        self.tok = tokenizer
+        self._agent_of = {
+            tokenizer.encode(_agent_word(i))[0]: i for i in range(len(workload.agents))
+        }
+        self._assistant = tokenizer.encode("assistant")[0]
+        self._user = tokenizer.encode("user")[0]
+        self._find_from = max(0, workload.system_tokens)
+
+    def __call__(self, prompt: list[int]) -> list[int]:
+        try:  # the first user turn opens with the agent's name: <|im_start|> user \n agent-i
+            agent = self._agent_of[prompt[prompt.index(self._user, self._find_from) + 2]]
+        except (ValueError, KeyError, IndexError):
+            raise ValueError("sim model: the prompt names no agent of the workload") from None
+        trace = self.w.agents[agent]
+        k = prompt.count(self._assistant) - 1  # assistant turns before this one
+        if k >= len(trace.steps) - 1:
+            call = {"name": "submit", "arguments": {"answer": "done"}}
+            k = len(trace.steps) - 1
+        else:
+            s = trace.steps[k]
+            call = {
+                "name": "sim_tool",
+                "arguments": {
+                    "seconds": s.tool_seconds,
+                    "tokens": s.obs_tokens,
+                    "seed": _seed(agent, k + 1) + 512,
+                },
+            }
+        call_ids = self.tok.encode(f"<tool_call>{json.dumps(call)}</tool_call>")
+        pad = trace.steps[k].gen_tokens - len(call_ids) - 1
+        filler = span_ids(pad, _seed(agent, k + 1)) if pad > 0 else []
+        return [*filler, *call_ids, EOS_ID]
+
+
+# ---- seeded synthetic workloads ---------------------------------------------------------
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Calibrated to the paper's description: contexts grow from ~512 to ~32K tokens over
+    # 10-50 steps; multi-second tools; a shared system prompt.
+    "paper": dict(
+        agents=256,
+        steps=(10, 50),
+        start=512,
+        final=(16_000, 32_000),
+        gen=(150, 500),
+        tool_s=(1.0, 8.0),
+        system=1_000,
+    ),
+    "paper-deepseek-16": dict(
+        agents=16,
+        steps=(10, 50),
+        start=512,
+        final=(16_000, 32_000),
+        gen=(150, 500),
+        tool_s=(1.0, 8.0),
+        system=1_000,
+    ),
+    "paper-deepseek-32": dict(
+        agents=32,
+        steps=(10, 50),
+        start=512,
+        final=(16_000, 32_000),
+        gen=(150, 500),
+        tool_s=(1.0, 8.0),
+        system=1_000,
+    ),
+    "paper-deepseek-40": dict(
+        agents=40,
+        steps=(10, 50),
+        start=512,
+        final=(16_000, 32_000),
+        gen=(150, 500),
+        tool_s=(1.0, 8.0),
+        system=1_000,
+    ),
+    "tiny": dict(
+        agents=8,
+        steps=(3, 6),
+        start=64,
+        final=(300, 600),
+        gen=(8, 24),
+        tool_s=(0.5, 2.0),
+        system=32,
+    ),
+}
+
+
+def synthetic(preset: str = "paper", seed: int = 0, **overrides: Any) -> Workload:
+    """A seeded workload. Per agent: a step count, a final context size, and per step a
+    generated size and a log-uniform tool time; observations fill the context from `start`
+    to the final size, unevenly (a few large outputs, many small ones)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown workload preset {preset!r}; choose from {sorted(PRESETS)}")
+    p = {**PRESETS[preset], **overrides}
+    rng = random.Random(seed)
+    agents = []
+    for i in range(p["agents"]):
+        n = rng.randint(*p["steps"])
+        final = rng.randint(*p["final"])
+        gens = [rng.randint(*p["gen"]) for _ in range(n)]
+        budget = max(0, final - p["start"] - sum(gens[:-1]))
+        weights = [rng.expovariate(1.0) for _ in range(n - 1)]
+        total_w = sum(weights) or 1.0
+        obs = [int(budget * w / total_w) for w in weights]
+        lo, hi = p["tool_s"]
+        tools = [math.exp(rng.uniform(math.log(lo), math.log(hi))) for _ in range(n - 1)]
+        steps = [Step(g, t, o) for g, t, o in zip(gens[:-1], tools, obs, strict=True)]
+        steps.append(Step(gens[-1], 0.0, 0))
+        agents.append(AgentTrace(f"agent-{i:04d}", p["start"], steps))
+    return Workload(preset, p["system"], agents, {"preset": preset, "seed": seed, **p})

@@ -1,0 +1,107 @@
+import json
+
+import pytest
+
+from runner.engines.sim.tokenizer import EOS_ID, SimTokenizer, span
+from runner.workload import SimModel, Workload, synthetic
+
+
+def test_sim_tokenizer_roundtrip_and_spans():
+    tok = SimTokenizer()
+    text = 'hello  world <|im_end|>\n{"a": 1}'
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text.replace("<|im_end|>", "")
+    assert tok.token_text(ids[ids.index(EOS_ID)]) == "<|im_end|>"
+    a, b = tok.encode(span(1000, 7)), tok.encode(span(1000, 8))
+    assert len(a) == 1000 and len(set(a) & set(b)) == 0
+    assert tok.encode(span(10, 7)) == a[:10]  # same seed: same tokens
+
+
+def test_synthetic_is_seeded_and_in_range():
+    w1, w2, w3 = synthetic("paper", seed=1), synthetic("paper", seed=1), synthetic("paper", seed=2)
+    assert [a.steps for a in w1.agents] == [a.steps for a in w2.agents]
+    assert [a.steps for a in w1.agents] != [a.steps for a in w3.agents]
+    assert len(w1.agents) == 256
+    for a in w1.agents:
+        assert 10 <= len(a.steps) <= 50
+        assert 14_000 <= a.total_tokens() <= 33_000
+        assert all(1.0 <= s.tool_seconds <= 8.0 for s in a.steps[:-1])
+    with pytest.raises(ValueError, match="unknown workload preset"):
+        synthetic("nope")
+
+
+def test_trace_file_roundtrip(tmp_path):
+    w = synthetic("tiny", seed=3)
+    w.save(tmp_path / "t.jsonl")
+    back = Workload.load(tmp_path / "t.jsonl")
+    assert back.system_tokens == w.system_tokens
+    assert [a.id for a in back.agents] == [a.id for a in w.agents]
+    assert [len(a.steps) for a in back.agents] == [len(a.steps) for a in w.agents]
+    assert back.agents[0].steps[0].obs_tokens == w.agents[0].steps[0].obs_tokens
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "concur-trace", "version": 1}\n{"id": "x", "steps": []}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        Workload.load(bad)
+    with pytest.raises(ValueError, match="not a trace file"):
+        (tmp_path / "x.jsonl").write_text("{}\n")
+        Workload.load(tmp_path / "x.jsonl")
+
+
+def test_trace_from_real_trajectories(tmp_path):
+    recs = [
+        {
+            "task_id": "a",
+            "step_log": [
+                {
+                    "prompt_tokens": 500,
+                    "cached_tokens": 0,
+                    "completion_tokens": 40,
+                    "tool_seconds": 1.5,
+                },
+                {
+                    "prompt_tokens": 700,
+                    "cached_tokens": 539,
+                    "completion_tokens": 30,
+                    "tool_seconds": 0.0,
+                },
+            ],
+        },
+        {
+            "task_id": "b",
+            "step_log": [
+                {
+                    "prompt_tokens": 450,
+                    "cached_tokens": 300,
+                    "completion_tokens": 20,
+                    "tool_seconds": 2.0,
+                },
+            ],
+        },
+    ]
+    p = tmp_path / "trajectories.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    w = Workload.from_trajectories(p)
+    assert w.system_tokens == 300
+    a = w.agents[0]
+    assert a.prompt_tokens == 200
+    assert (a.steps[0].gen_tokens, a.steps[0].tool_seconds, a.steps[0].obs_tokens) == (40, 1.5, 160)
+    assert a.steps[1].obs_tokens == 0
+
+
+def test_sim_model_answers_each_step_with_the_trace():
+    w = synthetic("tiny", seed=0, gen=(40, 60))
+    tok = SimTokenizer()
+    model = SimModel(w, tok)
+    task = w.tasks()[2]
+    trace = w.agents[2]
+    ids = tok.encode(tok.render(task.messages))
+    out = model(ids)
+    assert len(out) == trace.steps[0].gen_tokens and out[-1] == EOS_ID
+    text = tok.decode(out[:-1])
+    call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert call["name"] == "sim_tool" and call["arguments"]["tokens"] == trace.steps[0].obs_tokens
+    # after the last tool step the model submits
+    for _ in range(len(trace.steps) - 1):
+        ids = ids + out + tok.encode("\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
+        out = model(ids)
+    assert '"submit"' in tok.decode(out)

@@ -123,7 +123,7 @@ class Agent:
         await self.gate.acquire(self.key, len(self.ids))
         step.wait_seconds = _now() - t_wait
         try:
-            gen = await self.engine.generate(self.ids, self.sampling)
+            gen = await self.engine.generate(self.ids, self.sampling, agent=self.key)
         except ContextLimitExceeded as e:
             raise ContextLimit(str(e)) from None
         finally:

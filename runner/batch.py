@@ -141,6 +141,10 @@ class Batch:
             status, reason, answer = "error", f"{type(e).__name__}: {e}", None
         finally:
             self.gate.finish(task.id)
+        try:
+            await self.engine.end_agent(task.id)
+        except Exception as e:  # releasing engine state must not lose the record
+            log.warning("engine could not release agent %s: %s", task.id, e)
         if status == "error":
             self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
         record.update(

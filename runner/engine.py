@@ -100,7 +100,16 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation: ...
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, agent: str | None = None
+    ) -> Generation:
+        """One request. `agent` names the agent sending it, for engines that keep per-agent
+        state (SGLang sessions, sticky data-parallel ranks); others ignore it."""
+        ...
+
+    async def end_agent(self, agent: str) -> None:
+        """The agent ended (any status): release what the engine keeps for it. Idempotent."""
+        ...
 
     def cache_stats(self) -> CacheStats:
         """Cheap, non-blocking read of the cache signals (called every control period)."""

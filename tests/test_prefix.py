@@ -28,9 +28,9 @@ class RecordingEngine:
         self.name, self.model, self.context_limit = inner.name, inner.model, inner.context_limit
         self.tokenizer = inner.tokenizer
 
-    async def generate(self, ids, sampling):
+    async def generate(self, ids, sampling, agent=None):
         self.sent.append(list(ids))
-        g = await self.inner.generate(ids, sampling)
+        g = await self.inner.generate(ids, sampling, agent=agent)
         self.outputs.append(list(g.output_ids))
         return g
 

@@ -141,7 +141,9 @@ class LlamaCppEngine:
     def tokenizer(self) -> LlamaTokenizer:
         return self._tok
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, agent: str | None = None
+    ) -> Generation:
         if self._closing.is_set():
             raise EngineError("engine is shut down")
         loop = asyncio.get_running_loop()
@@ -149,6 +151,9 @@ class LlamaCppEngine:
         return await loop.run_in_executor(
             self._pool, self._generate_sync, list(input_ids), sampling
         )
+
+    async def end_agent(self, agent: str) -> None:
+        return None  # the prefix cache is shared; LRU ages an ended agent's states out
 
     def cache_stats(self) -> CacheStats:
         c = self.cache

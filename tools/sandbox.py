@@ -1,10 +1,10 @@
 """Run agent shell commands in a bubblewrap sandbox, one unprivileged host uid per agent.
 
-Design and measurements: docs/sandbox.md and /work/shared/notes/sandbox.md. In short: bwrap is
-started *as the agent's uid* (never as root: a root-started bwrap could remount / read-write),
-with rlimits set by `prlimit` in front of it, all namespaces unshared, a read-only view of /usr
-and a few /etc files, the workspace bound read-write at /work and private size-limited tmpfs
-mounts for /tmp and /dev/shm. No `preexec_fn`/`user=`: plain fork+exec of small wrappers.
+Design, and what is and is not contained: docs/sandbox.md. In short: bwrap is started *as the
+agent's uid* (never as root: a root-started bwrap could remount / read-write), with rlimits set
+by `prlimit` in front of it, all namespaces unshared, a read-only view of /usr and a few /etc
+files, the workspace bound read-write at /work and private size-limited tmpfs mounts for /tmp
+and /dev/shm. No `preexec_fn`/`user=`: plain fork+exec of small wrappers.
 """
 
 from __future__ import annotations
@@ -135,6 +135,10 @@ def _bwrap_flags(workspace: Path, limits: Limits, workdir: str, env: dict[str, s
         "--disable-userns",  # no nested user namespaces (no way to regain capabilities)
         "--die-with-parent",
         "--new-session",  # setsid: no TIOCSTI into a controlling terminal
+        # The command is the namespace's pid 1, a direct child of bwrap, which reaps it. With
+        # bwrap's own init as pid 1, bwrap exits without reaping that init, and it lingers as a
+        # zombie of the host's init (seconds here), still counting against RLIMIT_NPROC.
+        "--as-pid-1",
         "--cap-drop",
         "ALL",
         "--hostname",
@@ -298,6 +302,14 @@ class _Collector(asyncio.Protocol):
             self.done.set_result(None)
 
 
+class _StdinProtocol(asyncio.BaseProtocol):
+    def __init__(self) -> None:
+        self.lost = False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
 async def _wait_readable(fd: int, timeout: float | None) -> bool:
     """Wait until `fd` (a pidfd) polls readable, i.e. that process has exited. True if it did.
     The reader is removed synchronously on the way out, so a later waiter on the same fd
@@ -343,39 +355,62 @@ class _Run:
         self.collector = _Collector(cap, self.out_done)
         self.out_transport: asyncio.BaseTransport | None = None
         self.in_transport: asyncio.WriteTransport | None = None
+        self.in_protocol = _StdinProtocol()
         self.ns_pidfd: int | None = None
         self.info_fd = info_fd
         self.info_buf = b""
         self.info_done: asyncio.Future[None] = loop.create_future()
+        # One future for "the wrapper exited", shared by every waiter: a second add_reader on
+        # the same pidfd would silently replace the first waiter's callback.
+        self.exit_fut: asyncio.Future[None] = loop.create_future()
+        self.poll_task: asyncio.Task[None] | None = None
         self.pidfd: int | None
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except OSError:  # pre-5.3 kernel: fall back to polling
             self.pidfd = None
+            self.poll_task = loop.create_task(self._poll_exit())
+        else:
+            loop.add_reader(self.pidfd, self._on_exit)
         if info_fd is None:
             self.info_done.set_result(None)
         else:
             os.set_blocking(info_fd, False)
             loop.add_reader(info_fd, self._read_info)
 
-    # -- bwrap --info-fd: {"child-pid": N, ...} as soon as the namespace exists
+    # -- bwrap --info-fd: {"child-pid": N, "pid-namespace": I, ...} once the namespace exists
     def _read_info(self) -> None:
-        while self.info_fd is not None:
+        if self.info_fd is None:
+            return
+        while True:
             try:
                 chunk = os.read(self.info_fd, 4096)
             except BlockingIOError:
-                return
+                return  # more to come
             except OSError:
                 chunk = b""
             if not chunk:
                 break
             self.info_buf += chunk
         self._close_info()
-        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
-            child = int(json.loads(self.info_buf)["child-pid"])
-            self.ns_pidfd = os.pidfd_open(child)
-            if self.killed:  # the kill raced the namespace's creation
-                signal.pidfd_send_signal(self.ns_pidfd, signal.SIGKILL)
+        try:
+            info = json.loads(self.info_buf)
+            child, ns = int(info["child-pid"]), int(info["pid-namespace"])
+            pidfd = os.pidfd_open(child)
+        except (ValueError, KeyError, TypeError, OSError):
+            return  # bwrap failed before creating the namespace, or it is already gone
+        try:
+            # Trust the pid only once the pidfd pins it and it is still in the sandbox's pid
+            # namespace (not a reused pid of some unrelated process).
+            if os.stat(f"/proc/{child}/ns/pid").st_ino != ns:
+                raise ProcessLookupError
+        except OSError:
+            os.close(pidfd)
+            return
+        self.ns_pidfd = pidfd
+        if self.killed:  # the kill raced the namespace's creation
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
     def _close_info(self) -> None:
         if self.info_fd is not None:
@@ -392,9 +427,11 @@ class _Run:
         )
         if stdin is not None:
             assert self.proc.stdin is not None
-            tr, _ = await self.loop.connect_write_pipe(asyncio.Protocol, self.proc.stdin)
-            self.in_transport = tr  # type: ignore[assignment]
-            tr.write(stdin)  # type: ignore[attr-defined]
+            tr, self.in_protocol = await self.loop.connect_write_pipe(
+                _StdinProtocol, self.proc.stdin
+            )
+            self.in_transport = tr
+            tr.write(stdin)
             tr.close()  # flushes, then closes: the command sees EOF after the data
 
     def exited(self) -> bool:
@@ -407,28 +444,39 @@ class _Run:
         except ChildProcessError:
             return True
 
+    def _on_exit(self) -> None:
+        if self.pidfd is not None:
+            self.loop.remove_reader(self.pidfd)
+        if not self.exit_fut.done():
+            self.exit_fut.set_result(None)
+
+    async def _poll_exit(self) -> None:
+        while not self.exited():
+            await asyncio.sleep(0.01)
+        self._on_exit()
+
     async def wait_exit(self, timeout: float | None) -> bool:
-        """Wait (without reaping ourselves through asyncio's child watchers, which can hang
-        while an escaped grandchild holds a pipe) until the wrapper exits. True if it did."""
-        if self.pidfd is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not self.exited():
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-                await asyncio.sleep(0.01)
-            return True
-        return await _wait_readable(self.pidfd, timeout)
+        """Wait until the wrapper exits; True if it did. Not via asyncio's child watchers,
+        whose wait() can hang while an escaped grandchild holds a pipe."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exit_fut), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def kill(self) -> None:
-        """Synchronous: kill the namespace's pid 1 (all sandboxed processes die with it; the
-        outer bwrap then reaps it and exits, leaving no zombie to the host's init) and, if the
-        namespace is not known yet or this is not bwrap, the process group."""
+        """Synchronous where possible. bwrap: SIGKILL the namespace's pid 1 (every sandboxed
+        process dies with it; the outer bwrap then reaps it and exits). Killing the outer bwrap
+        instead would orphan pid 1 to the host's init, a zombie counting against RLIMIT_NPROC
+        until that init reaps it. If bwrap has not reported the namespace yet, nothing sandboxed
+        runs yet either: _read_info kills it the moment it is reported (_finish waits for that,
+        then falls back to the process group). Other modes: the process group."""
         self.killed = True
-        self._read_info()  # the namespace may exist already without us having heard of it
+        self._read_info()  # the report may be waiting in the pipe
         if self.ns_pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.ns_pidfd, signal.SIGKILL)
-        else:
+        elif self.info_done.done():
             self.killpg()
 
     def killpg(self) -> None:
@@ -446,8 +494,13 @@ class _Run:
         """Make sure nothing of this run is left: the wrapper reaped, the namespace (or, in
         "none" mode, the process group and every process of the uid) dead, pipes closed."""
         try:
-            if self.killed and not await self.wait_exit(_KILL_GRACE_S):
-                self.killpg()  # bwrap did not go by itself (or the namespace was unknown)
+            if self.killed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.info_done), _KILL_GRACE_S)
+                if self.ns_pidfd is None:
+                    self.killpg()  # no namespace reported (bwrap failed, or not bwrap)
+                if not await self.wait_exit(_KILL_GRACE_S):
+                    self.killpg()  # bwrap did not go by itself
             await self.wait_exit(None)
             # In "none" mode background jobs survive the leader: kill the group before reaping
             # (the zombie pins the pgid), then every process of the uid, setsid escapees too.
@@ -465,16 +518,17 @@ class _Run:
 
     def close(self) -> None:
         self._close_info()
-        for tr in (self.out_transport, self.in_transport):
-            if tr is not None and not tr.is_closing():
-                tr.close()
-        if self.in_transport is not None:
-            self.in_transport.abort()
+        if self.out_transport is not None and not self.out_transport.is_closing():
+            self.out_transport.close()
+        if self.in_transport is not None and not self.in_protocol.lost:
+            self.in_transport.abort()  # drop stdin the command never read
         if self.out_transport is None and self.proc.stdout is not None:
             self.proc.stdout.close()
         if self.in_transport is None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+        if self.poll_task is not None:
+            self.poll_task.cancel()
         for attr in ("pidfd", "ns_pidfd"):
             fd = getattr(self, attr)
             if fd is not None:
@@ -488,8 +542,10 @@ class _Run:
 
 async def _sweep_uid(argv: list[str]) -> None:
     """Run `kill -KILL -1` as the uid: kills every process of that uid (but itself), including
-    those that left the process group with setsid. Repeat while it still finds some."""
-    for _ in range(10):
+    those that left the process group with setsid. Once more if it found some, for a process
+    forked during the first pass (a task with SIGKILL pending cannot fork, so this suffices);
+    killed zombies awaiting the host's init also count as found, hence the small bound."""
+    for _ in range(3):
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -502,7 +558,6 @@ async def _sweep_uid(argv: list[str]) -> None:
             await asyncio.sleep(0.002)
         if proc.returncode != 0:  # ESRCH: nothing left to kill
             return
-        await asyncio.sleep(0.005)
 
 
 class Sandbox:
@@ -737,7 +792,10 @@ def probe_bwrap() -> str | None:
         sb = BwrapSandbox()
     except SandboxUnavailable as e:
         return str(e)  # already says what is missing and how to fix it
-    tmp = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
+    # /tmp rather than $TMPDIR: the probe uid must be able to reach the directory.
+    tmp = Path(
+        tempfile.mkdtemp(prefix="sandbox-probe-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    )
     try:
         os.chmod(tmp, 0o711)
         ws = tmp / "ws"

@@ -2,7 +2,8 @@
 ready, so `asyncio.sleep(30)` costs no wall time and runs are deterministic.
 
 The runner's asyncio code runs on it unchanged. Real I/O still works (it is polled without
-blocking first); only the waiting is skipped. If nothing is ready and no timer is scheduled,
+blocking first; with no timer pending it is waited for, up to REAL_GRACE_S of wall time, so
+worker threads can deliver results); only the waiting on timers is skipped. If nothing is ready and no timer is scheduled,
 every task is waiting on another: that is a deadlock, and it is raised, not hung.
 """
 
@@ -20,6 +21,9 @@ class Deadlock(RuntimeError):
     pass
 
 
+REAL_GRACE_S = 5.0  # with no timer, how long to wait for real I/O (a worker thread's result)
+
+
 class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
@@ -30,6 +34,12 @@ class _JumpingSelector(selectors.DefaultSelector):
         if events or timeout == 0:
             return events
         if timeout is None:
+            # Nothing scheduled: only real I/O can wake us, e.g. a thread finishing work for
+            # asyncio.to_thread. Wait for it a bounded while; if it never comes, every task
+            # waits on another.
+            events = super().select(REAL_GRACE_S)
+            if events:
+                return events
             raise Deadlock("virtual time: no task is ready and no timer is scheduled")
         self.now += timeout
         return []

@@ -1,0 +1,22 @@
+"""The SGLang-like engine simulator: radix cache (radix.py), roofline cost model (cost.py),
+scheduler (engine.py), deployments (presets.py). See docs/simulator.md."""
+
+from .cost import CostModel, Deployment, GpuSpec, IterationCost, ModelSpec
+from .engine import AgentStats, RequestRecord, SimEngine
+from .presets import DEPLOYMENTS, deployment, make_sim_engine
+from .radix import RadixCache
+
+__all__ = [
+    "DEPLOYMENTS",
+    "AgentStats",
+    "CostModel",
+    "Deployment",
+    "GpuSpec",
+    "IterationCost",
+    "ModelSpec",
+    "RadixCache",
+    "RequestRecord",
+    "SimEngine",
+    "deployment",
+    "make_sim_engine",
+]

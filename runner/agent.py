@@ -89,11 +89,13 @@ class Agent:
     tool_ctx: ToolContext
     sampling: SamplingParams
     max_steps: int
-    on_request: Callable[[int, int], None] = lambda prompt, cached: None
+    # (prompt tokens, cached tokens, fresh tokens: never sent to the engine before)
+    on_request: Callable[[int, int, int], None] = lambda prompt, cached, fresh: None
     on_step: Callable[[Step], None] = lambda step: None
     steps: list[Step] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    seen: int = 0  # how many of self.ids the engine has already had (as prompt or output)
 
     async def run(self) -> tuple[str, str, str | None]:
         """Run to the end. -> (status, reason, final answer). Engine failures propagate."""
@@ -128,11 +130,12 @@ class Agent:
             raise ContextLimit(str(e)) from None
         finally:
             self.gate.done_request(self.key)
-        self.on_request(gen.prompt_tokens, gen.cached_tokens)
+        self.on_request(gen.prompt_tokens, gen.cached_tokens, len(self.ids) - self.seen)
         step.prompt_tokens, step.cached_tokens = gen.prompt_tokens, gen.cached_tokens
         step.completion_tokens, step.gen_seconds = gen.completion_tokens, gen.seconds
         step.finish_reason = gen.finish_reason
         self.ids += gen.output_ids
+        self.seen = len(self.ids)
         self.messages.append({"role": "assistant", "content": gen.text})
 
         obs = await self.act(gen.text, step)

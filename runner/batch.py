@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.core import DEFAULT_TOOLS, ToolContext, get_tools
+from tools.gitrepo import ensure_repo
 from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
 
 from .agent import Agent
@@ -23,6 +24,7 @@ from .policies import Policy
 from .progress import Progress
 from .store import RunStore
 from .tasks import Task
+from .workspace import populate
 
 log = logging.getLogger("concur")
 SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, not the engine
@@ -153,6 +155,8 @@ class Batch:
             answer=answer,
             eval=await self._evaluate(task, ctx) if agent is not None else None,
         )
+        if "patch" in ctx.state:  # captured by submit in a git workspace
+            record["patch"] = ctx.state["patch"]
         if agent is not None:
             record.update(self._agent_fields(agent))
         record["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
@@ -175,45 +179,41 @@ class Batch:
         shutil.move(str(ws), dest)
 
     async def _prepare(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
+        """The workspace: the task's `workspace` source and `files` (host side, never
+        following links), then, in the sandbox as the agent's uid, the `setup` commands and a
+        git base commit (so that submit can capture the patch)."""
         ws = ctx.workspace
         if ws.exists():  # left by an interrupted run: start clean
             shutil.rmtree(ws)
         ws.mkdir(parents=True)
-        for rel, content in task.files.items():
-            p = ws / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(content, encoding="utf-8")
+        source = Path(task.workspace) if task.workspace else None
+        await asyncio.to_thread(
+            populate, ws, source, task.files, self.config.limits.workspace_bytes
+        )
         self.sandbox.prepare_workspace(ws, ctx.uid)
-        if not task.setup:
-            return None
-        out = []
-        for cmd in task.setup:
-            r = await self.sandbox.run(cmd, ws, ctx.uid, self.config.limits)
-            out.append({"command": cmd, "exit_code": r.exit_code, "output": r.output[-2000:]})
-            if r.timed_out or r.exit_code != 0:
-                why = "timed out" if r.timed_out else f"exit code {r.exit_code}"
-                return {"commands": out, "failed": f"setup command {cmd!r} {why}"}
-        return {"commands": out}
+        rec: dict[str, Any] = {}
+        if task.setup:
+            out = rec["commands"] = []
+            for cmd in task.setup:
+                r = await self.sandbox.run(cmd, ws, ctx.uid, self.config.limits)
+                out.append({"command": cmd, "exit_code": r.exit_code, "output": r.output[-2000:]})
+                if r.timed_out or r.exit_code != 0:
+                    why = "timed out" if r.timed_out else f"exit code {r.exit_code}"
+                    rec["failed"] = f"setup command {cmd!r} {why}"
+                    return rec
+        if isinstance(self.sandbox, Sandbox):  # not the simulator's, which runs nothing
+            rec["git"] = await ensure_repo(ctx)
+            if "error" in rec["git"]:
+                log.warning("task %s: no patch will be captured: %s", task.id, rec["git"]["error"])
+        return rec or None
 
     async def _evaluate(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
-        if not task.eval or not ctx.workspace.exists():
-            return None
-        limits = Limits(**{**asdict(self.config.limits), "timeout_s": self.config.eval_timeout})
-        try:
-            r = await self.sandbox.run(task.eval, ctx.workspace, ctx.uid, limits)
-        except OSError as e:  # the sandbox itself failed: a record, not a crash
-            return {"command": task.eval, "solved": False, "error": f"{type(e).__name__}: {e}"}
-        return {
-            "command": task.eval,
-            "exit_code": r.exit_code,
-            "solved": r.exit_code == 0 and not r.timed_out,
-            "timed_out": r.timed_out,
-            "seconds": round(r.seconds, 3),
-            "output_tail": r.output[-2000:],
-        }
+        return await evaluate(
+            self.sandbox, task, ctx.workspace, ctx.uid, self.config.limits, self.config.eval_timeout
+        )
 
-    def _on_request(self, prompt: int, cached: int) -> None:
-        self.controller.record(prompt, cached)
+    def _on_request(self, prompt: int, cached: int, fresh: int) -> None:
+        self.controller.record(prompt, cached, fresh)
         self.totals.requests += 1
         self.totals.prompt += prompt
         self.totals.cached += cached
@@ -249,3 +249,25 @@ class Batch:
 
 class _SetupFailed(Exception):
     pass
+
+
+async def evaluate(
+    sandbox: Sandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
+) -> dict[str, Any] | None:
+    """Run the task's `eval` command in a fresh sandbox over the workspace as it is now.
+    None when the task has no eval (or the workspace is gone)."""
+    if not task.eval or not workspace.exists():
+        return None
+    limits = Limits(**{**asdict(limits), "timeout_s": timeout})
+    try:
+        r = await sandbox.run(task.eval, workspace, uid, limits)
+    except OSError as e:  # the sandbox itself failed: a record, not a crash
+        return {"command": task.eval, "solved": False, "error": f"{type(e).__name__}: {e}"}
+    return {
+        "command": task.eval,
+        "exit_code": r.exit_code,
+        "solved": r.exit_code == 0 and not r.timed_out,
+        "timed_out": r.timed_out,
+        "seconds": round(r.seconds, 3),
+        "output_tail": r.output[-2000:],
+    }

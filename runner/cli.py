@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tools.core import DEFAULT_TOOLS
 from tools.core import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import SandboxUnavailable, make_sandbox
 
@@ -55,9 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "llama.cpp", "sglang"],
+        choices=["auto", "llama.cpp", "sglang", "replay"],
         help="auto: SGLang when it imports, a CUDA GPU is visible and --model is not a GGUF; "
-        "otherwise the embedded llama.cpp CPU engine",
+        "otherwise the embedded llama.cpp CPU engine. replay: the assistant turns come from "
+        "each task's `replay` list (or --replay-from), no model",
+    )
+    g.add_argument(
+        "--replay-from",
+        type=Path,
+        help="--engine replay: take each task's assistant turns from this previous run's "
+        "trajectories.jsonl (or run folder) instead of the tasks' `replay` lists",
     )
     g.add_argument(
         "--model",
@@ -103,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tools and sandbox")
     g.add_argument(
         "--tools",
-        default="bash,submit",
+        default=",".join(DEFAULT_TOOLS),
         help=f"comma-separated, from: {', '.join(sorted(TOOL_REGISTRY))}",
     )
     g.add_argument(
@@ -118,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-workspaces",
         action="store_true",
         help="keep each agent's workspace under <run folder>/workspaces/",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="run no agents: score an existing run folder again (its `eval` per task and "
+        "summary.json), over the workspaces kept by a --keep-workspaces run",
     )
 
     g = p.add_argument_group("display")
@@ -197,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [t for t in tool_names if t not in TOOL_REGISTRY]
         if unknown:
             raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
+        if args.replay_from and args.engine != "replay":
+            raise ValueError("--replay-from needs --engine replay")
     except ValueError as e:
         return fail(str(e))
 
@@ -206,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except TaskSourceError as e:
         return fail(str(e))
     out = args.out or OUTPUTS / Path(source).stem.replace("/", "_")
-    store = RunStore(out, retry_errors=args.retry_errors)
+    if args.eval_only and not (out / "trajectories.jsonl").is_file():
+        return fail(f"--eval-only: {out} holds no trajectories.jsonl; pass the run folder (--out)")
+    store = RunStore(out, retry_errors=args.retry_errors and not args.eval_only)
     setup_logging(store.log, args.quiet)
     if store.repaired_bytes:
         log.warning(
@@ -248,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         sandbox = make_sandbox(args.sandbox)
     except SandboxUnavailable as e:
         return fail(str(e))
+    if args.eval_only:
+        return _eval_only(tasks, store, sandbox, config)
     try:
-        engine, why = make_engine(args)
+        if args.engine == "replay":
+            from .engines.replay import replay_engine_from_args
+
+            engine, why = replay_engine_from_args(args, tasks), "chosen with --engine replay"
+        else:
+            engine, why = make_engine(args)
     except Exception as e:
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
 
@@ -278,6 +303,27 @@ def main(argv: list[str] | None = None) -> int:
         out,
     )
     return 130 if interrupted else 0
+
+
+def _eval_only(tasks: list[Any], store: RunStore, sandbox: Any, config: BatchConfig) -> int:
+    from .rescore import RescoreError, rescore
+
+    try:
+        res = rescore(tasks, store, sandbox, config)
+    except RescoreError as e:
+        return fail(str(e))
+    log.info(
+        "eval-only: re-scored %d tasks in %.1fs; solved %d/%d; %d workspaces missing; "
+        "updated %s and %s",
+        res["rescored"],
+        res["seconds"],
+        res["solved"],
+        res["evaluated"],
+        len(res["missing_workspaces"]),
+        store.trajectories,
+        store.summary,
+    )
+    return 0
 
 
 async def _run(batch: Batch, engine: Engine) -> None:

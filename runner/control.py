@@ -26,9 +26,13 @@ class PeriodTally:
     requests: int = 0
     prompt: int = 0
     cached: int = 0
+    recomputed: int = 0  # prompt tokens the engine had seen before but no longer had cached
 
     def hit_rate(self) -> float | None:
         return self.cached / self.prompt if self.prompt else None
+
+    def recompute_rate(self) -> float | None:
+        return self.recomputed / self.prompt if self.prompt else None
 
 
 @dataclass
@@ -60,11 +64,13 @@ class Controller:
         self._t0: float | None = None
         self.stats = ControlStats(windows=[gate.window])
 
-    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request finished (called by the agent loop)."""
+    def record(self, prompt_tokens: int, cached_tokens: int, fresh_tokens: int = 0) -> None:
+        """A request finished (called by the agent loop). `fresh_tokens`: the part of the
+        prompt the engine had never been sent (the first prompt, then each new turn)."""
         self._tally.requests += 1
         self._tally.prompt += prompt_tokens
         self._tally.cached += cached_tokens
+        self._tally.recomputed += max(0, prompt_tokens - cached_tokens - fresh_tokens)
 
     def step(self) -> dict[str, Any]:
         """One control period: signals -> policy -> gate. Returns the logged line."""
@@ -75,6 +81,7 @@ class Controller:
         tally, self._tally = self._tally, PeriodTally()
         c = self.gate.counts()
         before = self.gate.window
+        held, waiting = self.gate.contexts() if self.policy.wants_contexts else ((), ())
         sig = Signals(
             now=now,
             window=before,
@@ -87,6 +94,13 @@ class Controller:
             unfinished=c["unfinished"],
             requests=tally.requests,
             peak_in_use=self.gate.reset_peak(),
+            capacity_tokens=cache.capacity_tokens,
+            held_contexts=held,
+            waiting_contexts=waiting,
+            growth_per_step=(
+                self.gate.growth_tokens / self.gate.growth_steps if self.gate.growth_steps else None
+            ),
+            recompute_rate=tally.recompute_rate(),
         )
         decision = self.policy.update(sig)
         after = self.gate.resize(decision.window)
@@ -99,6 +113,7 @@ class Controller:
             "u": cache.usage,
             "h": sig.hit_rate,
             "branch": decision.branch,
+            "recompute": None if sig.recompute_rate is None else round(sig.recompute_rate, 4),
             "requests": tally.requests,
             **{k: c[k] for k in ("active", "paused", "pending", "finished")},
             "admitted": [k for e, k in events if e == "admitted"],

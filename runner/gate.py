@@ -43,6 +43,7 @@ PAUSE_RULES: dict[str, str] = {
 }
 RESUME_RULES: dict[str, str] = {
     "oldest": "resume the agent paused longest ago first (FIFO; default)",
+    "newest": "resume the agent paused most recently first (its KV is likeliest still cached)",
     "longest": "resume the agent with the longest context first",
     "shortest": "resume the agent with the shortest context first",
 }
@@ -106,6 +107,8 @@ class Gate:
         self._window = max(1, window)
         self.counters = GateCounters()
         self.peak_in_use = 0  # most holders at once since the last control period
+        self.growth_steps = 0  # context growth between consecutive acquires, summed
+        self.growth_tokens = 0
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -120,6 +123,9 @@ class Gate:
         """Return when `key` may send its next request. Each call is a step boundary."""
         self.register(key)
         a = self._agents[key]
+        if a.context and context_tokens > a.context:  # one step's growth: reply + observation
+            self.growth_steps += 1
+            self.growth_tokens += context_tokens - a.context
         a.context = context_tokens
         if a.state == "active":
             return  # the hot path: an admitted agent between steps
@@ -203,6 +209,23 @@ class Gate:
             "unfinished": len(self._agents) - n["done"],
         }
 
+    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Context tokens of the agents that hold a slot, in the order they keep it (oldest
+        admitted first; marked ones last), and of the agents waiting at the gate, in the order
+        they would get one (paused agents by the resume rule, then pending in task order).
+        A policy can fit a window to memory with them. O(n log n): once per period."""
+        held = sorted(self._active.values(), key=lambda a: a.admitted_seq)
+        held += sorted(self._marked.values(), key=lambda a: a.admitted_seq)
+        waiting = sorted(
+            (a for a in self._agents.values() if a.state == "paused" and a.waiter is not None),
+            key=self._resume_key,
+        )
+        waiting += sorted(
+            (a for a in self._agents.values() if a.state == "pending" and a.waiter is not None),
+            key=lambda a: a.order,
+        )
+        return tuple(a.context for a in held), tuple(a.context for a in waiting)
+
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]
 
@@ -258,6 +281,8 @@ class Gate:
             return (-a.context, a.order)
         if self.resume_rule == "shortest":
             return (a.context, a.order)
+        if self.resume_rule == "newest":
+            return (-(a.paused_since or 0.0), a.order)
         return (a.paused_since or 0.0, a.order)
 
     def _pop_waiter(self, queue: list, state: str) -> _Agent | None:

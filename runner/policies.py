@@ -30,6 +30,12 @@ class Signals:
     unfinished: int  # everyone not finished: the upper bound of W
     requests: int  # requests finished this period
     peak_in_use: int  # most slot holders at once during the period
+    # Richer signals; None / empty where the engine or the gate cannot tell.
+    capacity_tokens: int | None = None  # the engine's KV pool size, tokens
+    held_contexts: tuple[int, ...] = ()  # slot holders' contexts, in keep order
+    waiting_contexts: tuple[int, ...] = ()  # waiting agents' contexts, in admission order
+    growth_per_step: float | None = None  # mean context growth per agent step, tokens
+    recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Decision:
 class Policy(Protocol):
     name: str
     unit: Unit  # what a slot is held for: a whole agent life, or one request
+    wants_contexts: bool  # whether Signals must carry every agent's context (O(n) a period)
 
     def initial_window(self, n_agents: int) -> int: ...
 
@@ -67,6 +74,7 @@ class AIMD:
 
     name: ClassVar[str] = "aimd"
     unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha, int) and self.alpha >= 1):
@@ -106,6 +114,7 @@ class NoGate:
 
     name: ClassVar[str] = "none"
     unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = False
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)
@@ -124,6 +133,7 @@ class AgentCap:
     n: int
     name: ClassVar[str] = "agent-cap"
     unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -147,6 +157,7 @@ class RequestCap:
     n: int
     name: ClassVar[str] = "request-cap"
     unit: ClassVar[Unit] = "request"
+    wants_contexts: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -162,12 +173,77 @@ class RequestCap:
         return {"n": self.n}
 
 
+@dataclass(frozen=True)
+class WorkingSet:
+    """Working-set admission (Denning's load control, applied to KV cache).
+
+    Admit agents, in the order the gate would keep or admit them, while the sum of their
+    projected contexts (context + `headroom_steps` x the measured growth per step) fits
+    `target` x the engine's KV capacity. Agents in tool calls count in full: their prefixes
+    are exactly what LRU would evict. The window thus opens wide at once in warmup (short
+    contexts) and closes as contexts grow, ahead of thrashing rather than after it.
+
+    Feedback as a correction: when the recompute rate measured this period (prompt tokens
+    the engine had seen but no longer cached) exceeds `max_recompute`, the capacity estimate
+    is too optimistic: the window is cut by `beta` below the fit.
+
+    Without a capacity signal (an engine that cannot tell), it behaves as AIMD and says so
+    in its branch ("aimd-fallback:...").
+    """
+
+    target: float = 0.9
+    headroom_steps: float = 1.0
+    max_recompute: float = 0.3
+    beta: float = 0.5
+    fallback: AIMD = AIMD()
+
+    name: ClassVar[str] = "wset"
+    unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError(f"wset target must be in (0, 1], got {self.target!r}")
+        if self.headroom_steps < 0:
+            raise ValueError(f"wset headroom_steps must be >= 0, got {self.headroom_steps!r}")
+        if not 0.0 < self.max_recompute <= 1.0:
+            raise ValueError(f"wset max_recompute must be in (0, 1], got {self.max_recompute!r}")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"wset beta must be in (0, 1), got {self.beta!r}")
+
+    def initial_window(self, n_agents: int) -> int:
+        return max(1, n_agents)  # nothing is resident yet: the first update fits it
+
+    def update(self, s: Signals) -> Decision:
+        if not s.capacity_tokens:
+            d = self.fallback.update(s)
+            return Decision(d.window, f"aimd-fallback:{d.branch}")
+        growth = (s.growth_per_step or 0.0) * self.headroom_steps
+        budget = self.target * s.capacity_tokens
+        fit = 0
+        for ctx in (*s.held_contexts, *s.waiting_contexts):
+            budget -= ctx + growth
+            if budget < 0:
+                break
+            fit += 1
+        fit = max(1, fit)
+        if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
+            return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
+        return Decision(fit, "fit")
+
+    def params(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("fallback")
+        return d
+
+
 # name -> factory(arg, options). `arg` is the text after ':' in "name:arg" (or None).
 REGISTRY: dict[str, Any] = {
     "aimd": lambda arg, o: AIMD(**o),
     "none": lambda arg, o: NoGate(),
     "agent-cap": lambda arg, o: AgentCap(_int_arg("agent-cap", arg)),
     "request-cap": lambda arg, o: RequestCap(_int_arg("request-cap", arg)),
+    "wset": lambda arg, o: WorkingSet(fallback=AIMD(**o)),
 }
 
 
@@ -184,6 +260,6 @@ def make_policy(spec: str, **options: Any) -> Policy:
     name, _, arg = spec.partition(":")
     if name not in REGISTRY:
         raise ValueError(
-            f"unknown policy {spec!r}; choose one of: aimd, none, agent-cap:N, request-cap:N"
+            f"unknown policy {spec!r}; choose one of: aimd, wset, none, agent-cap:N, request-cap:N"
         )
     return REGISTRY[name](arg or None, options)

@@ -27,6 +27,7 @@ KNOWN_FIELDS = {
     "tools",
     "replay",
     "sampling",
+    "workspace",
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
@@ -47,6 +48,7 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
     tools: list[str] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    workspace: str | None = None  # absolute path of a directory or archive to start from
 
 
 @dataclass
@@ -187,8 +189,9 @@ def _norm(key: str, value: Any) -> Any:
     return value
 
 
-def validate(rec: Any) -> Task:
-    """A Task, or ValueError with the reason."""
+def validate(rec: Any, base: Path | None = None) -> Task:
+    """A Task, or ValueError with the reason. `base`: the dataset file's directory, against
+    which a `workspace` path is resolved (None for hub datasets: no `workspace` then)."""
     if not isinstance(rec, dict):
         raise ValueError(f"a task must be a JSON object, got {type(rec).__name__}")
     rec = {k: v for k, v in ((k, _norm(k, v)) for k, v in rec.items()) if v is not None}
@@ -259,7 +262,46 @@ def validate(rec: Any) -> Task:
         isinstance(tools, list) and all(isinstance(t, str) for t in tools)
     ):
         raise ValueError('"tools" must be a list of tool names')
-    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec)
+    replay = rec.get("replay")
+    if replay is not None and not (
+        isinstance(replay, list) and all(isinstance(r, str) for r in replay)
+    ):
+        raise ValueError('"replay" must be a list of assistant message strings')
+    workspace = _workspace_source(rec.get("workspace"), base)
+    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace)
+
+
+def _workspace_source(value: Any, base: Path | None) -> str | None:
+    """The `workspace` field: a directory or a .tar/.tar.gz/.tgz/.zip archive, relative to the
+    dataset file's directory and inside it (a dataset must not make the runner copy host files
+    such as ~/.ssh into a workspace)."""
+    if value is None:
+        return None
+    from .workspace import ARCHIVE_SUFFIXES, source_kind
+
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError('"workspace" must be a path (a directory or an archive)')
+    if base is None:
+        raise ValueError('"workspace" needs a local dataset file (paths are relative to it)')
+    if Path(value).is_absolute():
+        raise ValueError(
+            f'"workspace" {value!r} must be relative to the dataset file\'s directory {base}'
+        )
+    root = base.resolve()
+    path = (root / value).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(
+            f'"workspace" {value!r} resolves to {path}, outside the dataset file\'s directory '
+            f"{root}; keep workspace sources next to the dataset"
+        )
+    if not path.exists():
+        raise ValueError(f'"workspace" {value!r}: {path} does not exist')
+    if source_kind(path) is None:
+        raise ValueError(
+            f'"workspace" {value!r}: {path} is neither a directory nor a '
+            f"{'/'.join(ARCHIVE_SUFFIXES)} archive"
+        )
+    return str(path)
 
 
 def load_tasks(
@@ -281,7 +323,7 @@ def load_tasks(
             errors.append(RecordError(location, n, None, rec.reason))
             continue
         try:
-            task = validate(rec)
+            task = validate(rec, None if kind == "hub" else Path(location).parent)
         except ValueError as e:
             tid = rec.get("id") if isinstance(rec, dict) else None
             errors.append(RecordError(location, n, tid if isinstance(tid, str) else None, str(e)))

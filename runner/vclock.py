@@ -3,8 +3,9 @@ ready, so `asyncio.sleep(30)` costs no wall time and runs are deterministic.
 
 The runner's asyncio code runs on it unchanged. Real I/O still works (it is polled without
 blocking first; with no timer pending it is waited for, up to REAL_GRACE_S of wall time, so
-worker threads can deliver results); only the waiting on timers is skipped. If nothing is ready and no timer is scheduled,
-every task is waiting on another: that is a deadlock, and it is raised, not hung.
+worker threads can deliver results); only the waiting on timers is skipped. If nothing is
+ready, no timer is scheduled and no I/O comes, every task waits on another: that deadlock is
+raised, not hung.
 """
 
 from __future__ import annotations

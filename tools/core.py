@@ -5,11 +5,11 @@ raised into the agent loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from .sandbox import Limits, Sandbox
+from .sandbox import ExecResult, Limits, Sandbox
 
 OBSERVATION_CAP = 16 * 1024  # characters handed back to the model per tool call
 
@@ -22,6 +22,9 @@ class ToolContext:
     uid: int
     sandbox: Sandbox
     limits: Limits = field(default_factory=Limits)
+    # Per-agent tool state: the editor's undo history, the git base commit of the workspace
+    # ("git_base"), the patch captured at submit ("patch").
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +80,34 @@ def check_args(tool: Tool, args: dict[str, Any]) -> str | None:
     return None
 
 
+def limits_with_timeout(
+    name: str, args: dict[str, Any], ctx: ToolContext, max_timeout: float
+) -> Limits | Observation:
+    """The context's limits, with the call's optional `timeout`; an Observation if invalid."""
+    if "timeout" not in args:
+        return ctx.limits
+    t = args["timeout"]
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= max_timeout:
+        return Observation(f"{name}: timeout must be a number in (0, {max_timeout:g}].", ok=False)
+    return replace(ctx.limits, timeout_s=float(t))
+
+
+def result_observation(r: ExecResult, limits: Limits) -> Observation:
+    """A command's output with a status line the model can read."""
+    if r.timed_out:
+        status = f"[killed: timed out after {limits.timeout_s:g}s]"
+    elif r.killed == "workspace":
+        status = "[killed: the workspace exceeded its size limit]"
+    else:
+        status = f"[exit code {r.exit_code}]"
+    out = r.output if r.output.strip() else "(no output)"
+    return Observation(
+        cap(f"{out.rstrip()}\n{status}"),
+        ok=not r.timed_out and r.exit_code == 0,
+        meta={"exit_code": r.exit_code, "timed_out": r.timed_out, "truncated": r.truncated},
+    )
+
+
 @dataclass
 class Bash:
     name: str = "bash"
@@ -101,23 +132,14 @@ class Bash:
     max_timeout: float = 600.0
 
     async def __call__(self, args: dict[str, Any], ctx: ToolContext) -> Observation:
-        limits = ctx.limits
-        if "timeout" in args:
-            t = args["timeout"]
-            if not 0 < t <= self.max_timeout:
-                return Observation(f"bash: timeout must be in (0, {self.max_timeout:g}].", ok=False)
-            limits = Limits(**{**limits.__dict__, "timeout_s": float(t)})
-        r = await ctx.sandbox.run(args["command"], ctx.workspace, ctx.uid, limits)
-        if r.timed_out:
-            status = f"[killed: timed out after {limits.timeout_s:g}s]"
-        else:
-            status = f"[exit code {r.exit_code}]"
-        out = r.output if r.output.strip() else "(no output)"
-        return Observation(
-            cap(f"{out.rstrip()}\n{status}"),
-            ok=not r.timed_out and r.exit_code == 0,
-            meta={"exit_code": r.exit_code, "timed_out": r.timed_out, "truncated": r.truncated},
-        )
+        limits = limits_with_timeout(self.name, args, ctx, self.max_timeout)
+        if isinstance(limits, Observation):
+            return limits
+        try:
+            r = await ctx.sandbox.run(args["command"], ctx.workspace, ctx.uid, limits)
+        except OSError as e:  # e.g. the host is out of processes: tell the model
+            return Observation(f"bash: could not start the command: {e}", ok=False)
+        return result_observation(r, limits)
 
 
 @dataclass
@@ -134,7 +156,14 @@ class Submit:
 
     async def __call__(self, args: dict[str, Any], ctx: ToolContext) -> Observation:
         answer = str(args.get("answer", ""))
-        return Observation("Submitted.", submitted=True, answer=answer)
+        text = "Submitted."
+        if ctx.state.get("git_base"):  # a git workspace: the patch is part of the result
+            from .gitrepo import capture_patch
+
+            patch = await capture_patch(ctx)
+            ctx.state["patch"] = patch
+            text += f" {patch['summary']}"
+        return Observation(text, submitted=True, answer=answer)
 
 
 def _sim_tool() -> Tool:
@@ -143,8 +172,26 @@ def _sim_tool() -> Tool:
     return SimTool()
 
 
-REGISTRY: dict[str, Any] = {"bash": Bash, "submit": Submit, "sim_tool": _sim_tool}
-DEFAULT_TOOLS = ("bash", "submit")
+def _python() -> Tool:
+    from .python_tool import Python
+
+    return Python()
+
+
+def _editor() -> Tool:
+    from .editor import StrReplaceEditor
+
+    return StrReplaceEditor()
+
+
+REGISTRY: dict[str, Any] = {
+    "bash": Bash,
+    "python": _python,
+    "str_replace_editor": _editor,
+    "submit": Submit,
+    "sim_tool": _sim_tool,
+}
+DEFAULT_TOOLS = ("bash", "python", "str_replace_editor", "submit")
 
 
 def get_tools(names: list[str] | tuple[str, ...]) -> dict[str, Tool]:

@@ -54,6 +54,10 @@ _ROOT_LIBDIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _KILL_GRACE_S = 2.0  # after SIGKILL to the namespace, how long bwrap gets to reap it and exit
 _DRAIN_GRACE_S = 2.0  # after the process is gone, how long to wait for the output pipe's EOF
 _PROBE_TIMEOUT_S = 15.0
+# While a command runs, the workspace's size is checked every _WATCH_MIN_S seconds (or 10x the
+# time one check took, whichever is longer): past Limits.workspace_bytes the command is killed.
+_WATCH_MIN_S = 0.5
+_MIN_ENTRY_BYTES = 4096  # what _disk_usage charges at least per file, directory or link
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class ExecResult:
     truncated: bool
     seconds: float
     workspace_over_limit: bool = False  # workspace exceeded workspace_bytes after the command
+    killed: str | None = None  # "timeout", or "workspace" (killed while over workspace_bytes)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -253,7 +258,8 @@ def _disk_usage(root: Path, limit: int) -> int:
                     if key in seen:
                         continue
                     seen.add(key)
-                total += st.st_blocks * 512
+                # Every entry costs at least one block: many empty files (inodes) count too.
+                total += max(st.st_blocks * 512, _MIN_ENTRY_BYTES)
             if total > limit:
                 walker.close()
                 break
@@ -560,6 +566,32 @@ async def _sweep_uid(argv: list[str]) -> None:
             return
 
 
+async def _watch(
+    run: _Run, workspace: Path, limits: Limits, start: float, baseline: int
+) -> tuple[bool, bool]:
+    """Wait for the command to end. -> (timed out, killed for the workspace size): the size is
+    checked periodically while it runs, so a command cannot fill the disk until its timeout
+    (RLIMIT_FSIZE bounds one file only). Overshoot: what it writes in one check interval.
+    Killed when over the limit AND bigger than `baseline` (the size the previous command
+    left), so that a slow `rm` cleaning up an oversized workspace is not killed; and in any
+    case past twice the limit."""
+    deadline = start + limits.timeout_s
+    hard = 2 * limits.workspace_bytes
+    interval = _WATCH_MIN_S
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return True, False
+        if await run.wait_exit(min(remaining, interval)):
+            return False, False
+        t0 = time.monotonic()
+        used = await asyncio.to_thread(_disk_usage, workspace, hard)
+        if used > hard or (used > limits.workspace_bytes and used > baseline):
+            return False, True
+        # A big workspace costs a long walk: check it less often (at most ~10% of a core).
+        interval = max(_WATCH_MIN_S, 10 * (time.monotonic() - t0))
+
+
 class Sandbox:
     """Runs `bash -c command` for one agent (one uid) in its workspace. Subclasses say how."""
 
@@ -582,6 +614,8 @@ class Sandbox:
         self._prlimit: str = tools["prlimit"]  # type: ignore[assignment]
         self._setpriv: str = tools["setpriv"]  # type: ignore[assignment]
         self._runs: set[_Run] = set()
+        # Size of each workspace after its last command (exact up to 2x its limit).
+        self._ws_usage: dict[Path, int] = {}
 
     def workdir(self, workspace: Path) -> str:
         """The path the command sees as its cwd for this workspace."""
@@ -652,8 +686,9 @@ class Sandbox:
         try:
             try:
                 await run.start_io(None if stdin is None else stdin.encode())
-                timed_out = not await run.wait_exit(limits.timeout_s)
-                if timed_out:
+                baseline = self._ws_usage.get(workspace, 0)
+                timed_out, disk_kill = await _watch(run, workspace, limits, start, baseline)
+                if timed_out or disk_kill:
                     run.kill()
                 await run.ensure_finish()
             except BaseException:
@@ -675,21 +710,29 @@ class Sandbox:
         truncated = col.dropped > 0
         if truncated:
             output += f"\n[... output truncated: {col.dropped} more bytes not shown ...]"
-        used = await asyncio.to_thread(_disk_usage, workspace, limits.workspace_bytes)
-        over = used > limits.workspace_bytes
-        if over:
+        used = await asyncio.to_thread(_disk_usage, workspace, 2 * limits.workspace_bytes)
+        self._ws_usage[workspace] = used
+        over = used > limits.workspace_bytes or disk_kill
+        if disk_kill:
+            output += (
+                f"\n[killed: the workspace grew past its size limit of "
+                f"{_human(limits.workspace_bytes)} while the command ran; delete files to get "
+                "back under it]"
+            )
+        elif over:
             output += (
                 f"\n[workspace over its size limit: more than {_human(used)} used, limit "
                 f"{_human(limits.workspace_bytes)}; delete files to get back under it]"
             )
         rc = proc.returncode
         return ExecResult(
-            exit_code=None if timed_out or rc is None else _normalize_rc(rc),
+            exit_code=None if timed_out or disk_kill or rc is None else _normalize_rc(rc),
             output=output,
             timed_out=timed_out,
             truncated=truncated,
             seconds=seconds,
             workspace_over_limit=over,
+            killed="timeout" if timed_out else "workspace" if disk_kill else None,
         )
 
     async def aclose(self) -> None:

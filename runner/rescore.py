@@ -1,0 +1,144 @@
+"""`run.py --eval-only`: score an existing run folder again, without running any agent.
+
+It needs the final workspaces, i.e. a run made with --keep-workspaces (<run>/workspaces/).
+Each finished task's `eval` runs in a fresh sandbox over its kept workspace; the `eval`
+field of its trajectory line is replaced (the file is rewritten to a new file, then renamed
+over the old one) and summary.json gets the new solved / evaluated counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.sandbox import AGENT_UID_BASE, Sandbox
+
+from .batch import BatchConfig, evaluate
+from .store import RunStore, write_json_atomic
+from .tasks import Task
+
+log = logging.getLogger("concur")
+EVAL_CONCURRENCY = max(2, min(16, os.cpu_count() or 2))
+
+
+class RescoreError(RuntimeError):
+    """The run folder cannot be re-scored; the message says why and what to do."""
+
+
+def rescore(
+    tasks: list[Task], store: RunStore, sandbox: Sandbox, config: BatchConfig
+) -> dict[str, Any]:
+    """Re-run the evals; rewrite trajectories.jsonl and summary.json. -> the summary's
+    `eval_only` section. RescoreError when there is nothing to score."""
+    ws_dir = store.root / "workspaces"
+    if not store.finished:
+        raise RescoreError(f"{store.trajectories} has no finished agents: nothing to re-score")
+    if not ws_dir.is_dir():
+        raise RescoreError(
+            f"--eval-only needs the final workspaces, but {ws_dir} does not exist: run the "
+            "batch with --keep-workspaces to keep them"
+        )
+    by_id = {t.id: t for t in tasks}
+    todo = [by_id[tid] for tid in store.finished if tid in by_id and by_id[tid].eval]
+    missing = [t.id for t in todo if not (ws_dir / t.id).is_dir()]
+    for tid in missing:
+        log.warning("task %s: no kept workspace in %s; its eval is left as it was", tid, ws_dir)
+        store.add_error({"kind": "eval_only", "task_id": tid, "reason": "workspace not kept"})
+    todo = [t for t in todo if t.id not in missing]
+    t0 = time.monotonic()
+    results = asyncio.run(_run_all(todo, ws_dir, sandbox, config))
+    _rewrite(store, results)
+    recs = [store.finished[t.id] for t in tasks if t.id in store.finished]
+    evals = [r["eval"] for r in recs if r.get("eval")]
+    section = {
+        "time": time.time(),
+        "seconds": round(time.monotonic() - t0, 3),
+        "rescored": len(results),
+        "solved_now": sum(1 for e in results.values() if e and e.get("solved")),
+        "missing_workspaces": missing,
+        "tasks_without_eval": sum(1 for tid in store.finished if tid in by_id)
+        - len(todo)
+        - len(missing),
+    }
+    summary: dict[str, Any] = {}
+    if store.summary.exists():
+        try:
+            summary = json.loads(store.summary.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            summary = {}
+    summary.update(
+        solved=sum(1 for e in evals if e.get("solved")),
+        evaluated=len(evals),
+        eval_only=section,
+    )
+    write_json_atomic(store.summary, summary)
+    return {**section, "solved": summary["solved"], "evaluated": summary["evaluated"]}
+
+
+async def _run_all(
+    tasks: list[Task], ws_dir: Path, sandbox: Sandbox, config: BatchConfig
+) -> dict[str, dict[str, Any] | None]:
+    sem = asyncio.Semaphore(EVAL_CONCURRENCY)
+    # A kept workspace may sit where the sandbox uids cannot reach it (e.g. under /root): then
+    # it is moved into a 0755 temp dir for its eval, and back.
+    tmp_root = Path(tempfile.mkdtemp(prefix="concur-eval-"))
+    tmp_root.chmod(0o755)
+
+    async def one(i: int, task: Task) -> tuple[str, dict[str, Any] | None]:
+        async with sem:
+            return task.id, await _eval_one(task, ws_dir / task.id, AGENT_UID_BASE + i)
+
+    async def _eval_one(task: Task, ws: Path, uid: int) -> dict[str, Any] | None:
+        try:
+            sandbox.prepare_workspace(ws, uid)
+        except PermissionError:
+            moved = tmp_root / task.id
+            shutil.move(str(ws), moved)
+            try:
+                sandbox.prepare_workspace(moved, uid)
+                return await evaluate(sandbox, task, moved, uid, config.limits, config.eval_timeout)
+            finally:
+                shutil.move(str(moved), ws)
+        return await evaluate(sandbox, task, ws, uid, config.limits, config.eval_timeout)
+
+    try:
+        done = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    finally:
+        await sandbox.aclose()
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return dict(done)
+
+
+def _rewrite(store: RunStore, results: dict[str, dict[str, Any] | None]) -> None:
+    """Replace the `eval` of the re-scored lines: write a new file, fsync, rename over."""
+    if not results:
+        return
+    now = time.time()
+    out: list[str] = []
+    with store.trajectories.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                tid = rec["task_id"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                out.append(line)  # not ours to judge: kept as it is
+                continue
+            if tid in results:
+                rec["eval"] = results[tid]
+                rec["rescored_at"] = now
+                store.finished[tid] = rec
+                line = json.dumps(rec, ensure_ascii=False, default=str) + "\n"
+            out.append(line)
+    tmp = store.trajectories.with_name(store.trajectories.name + ".rescore.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(out))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, store.trajectories)

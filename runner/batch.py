@@ -39,6 +39,10 @@ class BatchConfig:
     pause_rule: str = "newest"
     resume_rule: str = "oldest"
     keep_workspaces: Path | None = None  # move finished workspaces here (None: delete)
+    # Where live workspaces go. Per-agent uids must reach it, which a run folder under e.g.
+    # /root would not allow: a 0755 dir in /tmp. A fixed path per run folder lets a rerun
+    # clear what a killed run left; None: a fresh temp dir.
+    workspace_root: Path | None = None
     limits: Limits = field(default_factory=Limits)
     eval_timeout: float = 300.0
 
@@ -82,9 +86,12 @@ class Batch:
         self.totals = Totals()
         self.progress = progress
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
-        # Live workspaces sit in a fresh 0755 temp dir: the per-agent uids must be able to
-        # reach them, which a run folder under e.g. /root would not allow.
-        self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
+        if config.workspace_root is None:
+            self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
+        else:
+            self._ws_root = config.workspace_root
+            shutil.rmtree(self._ws_root, ignore_errors=True)  # left by a killed run
+            self._ws_root.mkdir(parents=True)
 
     async def run(self) -> Totals:
         for t in self.todo:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tasks")
     g.add_argument(
         "--tasks",
-        required=True,
         help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
-        "or a Hugging Face dataset name",
+        "or a Hugging Face dataset name (required, except with --engine sim)",
     )
     g.add_argument("--split", default="train", help="split, for hub datasets")
     g.add_argument("--limit", type=int, help="run only the first N valid tasks")
@@ -56,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "llama.cpp", "sglang", "replay"],
+        choices=["auto", "llama.cpp", "sglang", "replay", "sim"],
         help="auto: SGLang when it imports, a CUDA GPU is visible and --model is not a GGUF; "
         "otherwise the embedded llama.cpp CPU engine. replay: the assistant turns come from "
-        "each task's `replay` list (or --replay-from), no model",
+        "each task's `replay` list (or --replay-from), no model. sim: the simulated "
+        "SGLang-like engine on virtual time, over --workload (docs/simulator.md)",
     )
     g.add_argument(
         "--replay-from",
@@ -85,6 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
     g.add_argument("--seed", type=int, default=0)
     add_sglang_arguments(g)
+
+    g = p.add_argument_group("simulation (--engine sim)")
+    g.add_argument(
+        "--workload",
+        default="paper",
+        help="a synthetic workload preset (paper, paper-deepseek-16/32/40, tiny) or a trace "
+        "file (.jsonl, see runner/workload.py)",
+    )
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument(
+        "--sim-deployment",
+        default="qwen3-32b-tp8",
+        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, tiny-cpu",
+    )
+    g.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=0.0,
+        help="host-memory KV tier, as a multiple of the device pool (0: none)",
+    )
 
     g = p.add_argument_group("admission gate")
     g.add_argument("--policy", default="aimd", help="aimd | none | agent-cap:N | request-cap:N")
@@ -170,6 +192,12 @@ def make_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     return eng, why
 
 
+def workspace_root(out: Path) -> Path:
+    """The live-workspace folder of a run folder: fixed, so a rerun clears a killed run's."""
+    digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"concur-ws-{digest}"
+
+
 def setup_logging(path: Path, quiet: bool) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("concur")
@@ -216,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return fail(str(e))
 
+    if args.engine == "sim":
+        return _simulate(args, policy)
+    if not args.tasks:
+        return fail("--tasks is required (a dataset file or a Hugging Face dataset name)")
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
     try:
         tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
@@ -259,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         pause_rule=args.pause_rule,
         resume_rule=args.resume_rule,
         keep_workspaces=(out / "workspaces") if args.keep_workspaces else None,
+        workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
     )
@@ -322,6 +355,40 @@ def _eval_only(tasks: list[Any], store: RunStore, sandbox: Any, config: BatchCon
         len(res["missing_workspaces"]),
         store.trajectories,
         store.summary,
+    )
+    return 0
+
+
+def _simulate(args: argparse.Namespace, policy: Any) -> int:
+    """--engine sim: the real runner over a simulated engine on virtual time."""
+    from .simulate import simulate
+    from .workload import Workload, synthetic
+
+    try:
+        trace = Path(args.workload)
+        if trace.suffix == ".jsonl":
+            workload = Workload.load(trace)
+        else:
+            workload = synthetic(args.workload, seed=args.workload_seed)
+        options = {"hicache_ratio": args.hicache_ratio} if args.hicache_ratio > 0 else {}
+        out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
+        r = simulate(
+            workload,
+            args.sim_deployment,
+            policy,
+            out,
+            control_period=args.control_period,
+            pause_rule=args.pause_rule,
+            resume_rule=args.resume_rule,
+            engine_options=options,
+        )
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    print(
+        f"simulated {len(workload.agents)} agents on {args.sim_deployment} with {r.policy}: "
+        f"{r.sim_seconds:,.1f} simulated s ({r.wall_seconds:.1f} s wall), hit rate "
+        f"{r.hit_rate}, recomputed {r.engine['tokens_prefill_recompute']:,} tokens; "
+        f"run folder {out}"
     )
     return 0
 

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from runner.cli import workspace_root
+
 from .conftest import ROOT, read_jsonl, run_cli, small_tasks
 
 pytestmark = pytest.mark.slow
@@ -128,3 +130,4 @@ def test_sigkill_then_resume_finishes_each_task_once(tmp_path, needs_bwrap):
     assert len(ids) == len(set(ids)) == 6
     summary = json.loads((out / "summary.json").read_text())
     assert summary["finished"] == 6 and summary["this_session"]["agents_run"] == 6 - first
+    assert not workspace_root(out).exists()  # the killed run's workspaces were cleared

@@ -33,3 +33,26 @@ def test_deterministic_and_identical_work_across_policies(tmp_path):
 def test_hicache_option_sizes_the_host_tier(tmp_path):
     r = run(tmp_path, "none", "h", engine_options={"hicache_ratio": 2.0})
     assert r.engine["host_capacity_tokens"] == 2 * r.engine["capacity_tokens"]
+
+
+def test_cli_engine_sim(tmp_path):
+    from .conftest import run_cli
+
+    p = run_cli(
+        "--engine",
+        "sim",
+        "--workload",
+        "tiny",
+        "--sim-deployment",
+        "tiny-cpu",
+        "--policy",
+        "agent-cap:2",
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert "simulated 8 agents on tiny-cpu with agent-cap" in p.stdout
+    assert (tmp_path / "o" / "trajectories.jsonl").read_text().count("\n") == 8
+    bad = run_cli(
+        "--engine", "sim", "--sim-deployment", "h100x1", "--out", str(tmp_path / "b"), check=False
+    )
+    assert bad.returncode == 2 and "unknown simulator preset" in bad.stderr

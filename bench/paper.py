@@ -24,7 +24,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.policies import make_policy  # noqa: E402
+from runner.oracle import lower_bound  # noqa: E402
+from runner.policies import WorkingSet, make_policy  # noqa: E402
 from runner.simulate import simulate  # noqa: E402
 from runner.workload import synthetic  # noqa: E402
 
@@ -50,23 +51,61 @@ class Config:
 
 
 TABLE1 = [
-    Config("qwen-tp8", "Qwen3-32B, 256 agents, TP8", "qwen3-32b-tp8", "paper",
-           {"none": 1480, "request-cap": 2049, "hicache": 976, "aimd": 362}),
-    Config("qwen-tp4", "Qwen3-32B, 256 agents, TP4", "qwen3-32b-tp4", "paper",
-           {"none": 2213, "request-cap": 1089, "hicache": 1678, "aimd": 757}),
-    Config("qwen-tp2", "Qwen3-32B, 256 agents, TP2", "qwen3-32b-tp2", "paper",
-           {"none": 2530, "hicache": 1112, "aimd": 846}),
-    Config("ds-16", "DeepSeek-V3, 16 agents, TP16", "deepseek-v3-tp16", "paper-deepseek-16",
-           {"none": 873, "hicache": 2559, "aimd": 521},
-           {"none": 80.38, "hicache": 97.48, "request-cap": 69.00, "aimd": 96.38}),
-    Config("ds-32", "DeepSeek-V3, 32 agents, TP16", "deepseek-v3-tp16", "paper-deepseek-32",
-           {"none": 1226, "request-cap": 1367, "hicache": 2277, "aimd": 1018},
-           {"none": 77.72, "hicache": 97.13, "request-cap": 68.39, "aimd": 93.65}),
-    Config("ds-40", "DeepSeek-V3, 40 agents, TP16", "deepseek-v3-tp16", "paper-deepseek-40",
-           {"none": 3877, "hicache": 2320, "aimd": 2043},
-           {"none": 35.41, "hicache": 96.08, "request-cap": 32.21, "aimd": 73.36}),
-]  # fmt: skip
-SYSTEMS = ["none", "request-cap", "hicache", "aimd"]
+    Config(
+        "qwen-tp8",
+        "Qwen3-32B, 256 agents, TP8",
+        "qwen3-32b-tp8",
+        "paper",
+        {"none": 1480, "request-cap": 2049, "hicache": 976, "aimd": 362},
+    ),
+    Config(
+        "qwen-tp4",
+        "Qwen3-32B, 256 agents, TP4",
+        "qwen3-32b-tp4",
+        "paper",
+        {"none": 2213, "request-cap": 1089, "hicache": 1678, "aimd": 757},
+    ),
+    Config(
+        "qwen-tp2",
+        "Qwen3-32B, 256 agents, TP2",
+        "qwen3-32b-tp2",
+        "paper",
+        {"none": 2530, "hicache": 1112, "aimd": 846},
+    ),
+    Config(
+        "ds-16",
+        "DeepSeek-V3, 16 agents, TP16",
+        "deepseek-v3-tp16",
+        "paper-deepseek-16",
+        {"none": 873, "hicache": 2559, "aimd": 521},
+        {"none": 80.38, "hicache": 97.48, "request-cap": 69.00, "aimd": 96.38},
+    ),
+    Config(
+        "ds-32",
+        "DeepSeek-V3, 32 agents, TP16",
+        "deepseek-v3-tp16",
+        "paper-deepseek-32",
+        {"none": 1226, "request-cap": 1367, "hicache": 2277, "aimd": 1018},
+        {"none": 77.72, "hicache": 97.13, "request-cap": 68.39, "aimd": 93.65},
+    ),
+    Config(
+        "ds-40",
+        "DeepSeek-V3, 40 agents, TP16",
+        "deepseek-v3-tp16",
+        "paper-deepseek-40",
+        {"none": 3877, "hicache": 2320, "aimd": 2043},
+        {"none": 35.41, "hicache": 96.08, "request-cap": 32.21, "aimd": 73.36},
+    ),
+]
+SYSTEMS = ["none", "request-cap", "hicache", "aimd", "wset"]
+# wset resumes the most recently paused agent first (its KV is likeliest still cached)
+RULES = {"wset": ("newest", "newest")}
+ROBUSTNESS = {  # wset parameters: -50% and +100% of each default, on Qwen TP8
+    "target": (0.45, 1.8),
+    "headroom_steps": (0.5, 2.0),
+    "max_recompute": (0.15, 0.6),
+    "beta": (0.25, 1.0),
+}
 FIXED_CAPS = {"config": "qwen-tp2", "caps": [30, 32, 64, 128], "paper_best": 1231}
 SWEEP_U_HIGH = {  # U_low = 0.2
     "qwen-tp8": {0.4: 529, 0.5: 362, 0.6: 386, 0.8: 1898},
@@ -88,6 +127,7 @@ class Run:
     policy: str
     policy_options: tuple[tuple[str, Any], ...] = ()
     hicache: bool = False
+    rules: tuple[str, str] = ("newest", "oldest")
 
 
 def plan(only: str | None, quick: bool, seed: int) -> list[Run]:
@@ -96,20 +136,49 @@ def plan(only: str | None, quick: bool, seed: int) -> list[Run]:
     for c in cfgs:
         for s in SYSTEMS:
             policy = {"request-cap": f"request-cap:{REQUEST_CAP}", "hicache": "none"}.get(s, s)
-            runs.append(Run(f"{c.key}-{s}", c.key, s, policy, hicache=s == "hicache"))
+            runs.append(
+                Run(
+                    f"{c.key}-{s}",
+                    c.key,
+                    s,
+                    policy,
+                    hicache=s == "hicache",
+                    rules=RULES.get(s, ("newest", "oldest")),
+                )
+            )
     if quick:
         return runs
+    if only in (None, "qwen-tp8"):
+        for k, values in ROBUSTNESS.items():
+            for v in values:
+                runs.append(
+                    Run(
+                        f"qwen-tp8-wset-{k}{v}",
+                        "qwen-tp8",
+                        f"wset {k}={v}",
+                        "wset",
+                        ((k, v),),
+                        rules=RULES["wset"],
+                    )
+                )
     if only in (None, FIXED_CAPS["config"]):
         for n in FIXED_CAPS["caps"]:
-            runs.append(Run(f"{FIXED_CAPS['config']}-cap{n}", FIXED_CAPS["config"],
-                            f"agent-cap:{n}", f"agent-cap:{n}"))  # fmt: skip
+            runs.append(
+                Run(
+                    f"{FIXED_CAPS['config']}-cap{n}",
+                    FIXED_CAPS["config"],
+                    f"agent-cap:{n}",
+                    f"agent-cap:{n}",
+                )
+            )
     for key in SWEEP_U_HIGH:
         if only not in (None, key):
             continue
         for uh in SWEEP_U_HIGH[key]:
             if uh != 0.5:
-                runs.append(Run(f"{key}-uhigh{uh}", key, f"aimd u_high={uh}", "aimd",
-                                (("u_high", uh),)))  # fmt: skip
+                runs.append(
+                    Run(f"{key}-uhigh{uh}", key, f"aimd u_high={uh}", "aimd", (("u_high", uh),))
+                )
         for ul in SWEEP_U_LOW[key]:
             if ul != 0.2:
                 opts = (("u_low", ul),) if ul < 0.5 else (("u_low", ul), ("u_high", 0.5001))
@@ -121,20 +190,39 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
     cfg = next(c for c in TABLE1 if c.key == run.config)
     workload = synthetic(cfg.workload, seed=seed)
-    policy = make_policy(run.policy, **dict(run.policy_options))
+    if run.policy == "wset":
+        policy = WorkingSet(**dict(run.policy_options))
+    else:
+        policy = make_policy(run.policy, **dict(run.policy_options))
     engine_options: dict[str, Any] = dict(ENGINE_OPTIONS.get(cfg.deployment, {}))
     if run.hicache:
         engine_options["hicache_ratio"] = HICACHE_RATIO
-    r = simulate(workload, cfg.deployment, policy, RUNS / run.name,
-                 engine_options=engine_options, label=run.system,
-                 control_period=CONTROL_PERIOD)  # fmt: skip
+    r = simulate(
+        workload,
+        cfg.deployment,
+        policy,
+        RUNS / run.name,
+        engine_options=engine_options,
+        label=run.system,
+        control_period=CONTROL_PERIOD,
+        pause_rule=run.rules[0],
+        resume_rule=run.rules[1],
+    )
     rec = r.to_json()
     work = sorted(r.work.items())
-    rec.update(run=run.name, config=run.config, system=run.system, seed=seed,
-               work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
-               work_tokens=sum(w[1] for _, w in work))  # fmt: skip
-    print(f"  {run.name:28s} {r.sim_seconds:9.1f} sim s  hit {r.hit_rate}  "
-          f"({r.wall_seconds:.1f} s wall)", flush=True)  # fmt: skip
+    rec.update(
+        run=run.name,
+        config=run.config,
+        system=run.system,
+        seed=seed,
+        work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
+        work_tokens=sum(w[1] for _, w in work),
+    )
+    print(
+        f"  {run.name:28s} {r.sim_seconds:9.1f} sim s  hit {r.hit_rate}  "
+        f"({r.wall_seconds:.1f} s wall)",
+        flush=True,
+    )
     return rec
 
 
@@ -195,6 +283,41 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         ps = c.paper["none"] / c.paper["aimd"]
         ss = none["sim_seconds"] / aimd["sim_seconds"] if none and aimd else None
         out.append(f"| {c.title} | " + " | ".join(cells) + f" | {ps:.2f}x / {_fmt(ss, 2)}x |")
+    out += ["", "## Achieved / oracle lower bound", ""]
+    out.append(
+        "The bound (runner/oracle.py): the engine's work with nothing recomputed and "
+        "no idle GPU at full batch, or the longest agent's serial chain, whichever is "
+        "longer. A ratio near 1 leaves nothing to gain."
+    )
+    out.append("")
+    out.append(
+        "| configuration | bound s (engine / chain) | " + " | ".join(SYSTEMS) + " | wset vs aimd |"
+    )
+    out.append("|---" * (len(SYSTEMS) + 3) + "|")
+    for c in TABLE1:
+        opts = ENGINE_OPTIONS.get(c.deployment, {})
+        b = lower_bound(synthetic(c.workload, seed=seed), c.deployment, **opts)
+        cells = []
+        for s_ in SYSTEMS:
+            r = by.get(f"{c.key}-{s_}")
+            cells.append(_fmt(r and r["sim_seconds"] / b["bound_seconds"], 2))
+        a, w = by.get(f"{c.key}-aimd"), by.get(f"{c.key}-wset")
+        vs = a["sim_seconds"] / w["sim_seconds"] if a and w else None
+        out.append(
+            f"| {c.title} | {b['bound_seconds']:,.0f} ({b['engine_bound_seconds']:,.0f}"
+            f" / {b['longest_chain_seconds']:,.0f}) | " + " | ".join(cells) + f" | {_fmt(vs, 2)}x |"
+        )
+    rob = [r for r in records if r["run"].startswith("qwen-tp8-wset-")]
+    base = by.get("qwen-tp8-wset")
+    if rob and base:
+        out += ["", "## wset robustness (Qwen TP8): each parameter at -50% and +100%", ""]
+        out += ["| parameter | simulated s | vs default |", "|---|---|---|"]
+        out.append(f"| defaults | {base['sim_seconds']:,.0f} | 1.00 |")
+        for r in rob:
+            out.append(
+                f"| {r['system'][5:]} | {r['sim_seconds']:,.0f} | "
+                f"{r['sim_seconds'] / base['sim_seconds']:.2f} |"
+            )
     out += ["", "## Prefix-cache hit rate, % (paper / simulated; device+host hits)", ""]
     out.append("| configuration | " + " | ".join(SYSTEMS) + " |")
     out.append("|---" * (len(SYSTEMS) + 1) + "|")
@@ -206,11 +329,17 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
             cells.append(f"{_fmt(c.paper_hit.get(s), 1)} / {_fmt(hit or None, 1)}")
         out.append(f"| {c.title} | " + " | ".join(cells) + " |")
     out += ["", "## Where the time went (simulated)", ""]
-    out.append("Engine seconds by kind (prefill of new tokens, recompute of evicted tokens, "
-               "decode, host-memory loads, idle) and per-agent means (tool, waiting at the gate, "
-               "in the engine).")  # fmt: skip
-    out += ["", "| run | total s | prefill | recompute | decode | host load | idle | retractions"
-            " | agent: tool | gate wait | engine |", "|---" * 11 + "|"]  # fmt: skip
+    out.append(
+        "Engine seconds by kind (prefill of new tokens, recompute of evicted tokens, "
+        "decode, host-memory loads, idle) and per-agent means (tool, waiting at the gate, "
+        "in the engine)."
+    )
+    out += [
+        "",
+        "| run | total s | prefill | recompute | decode | host load | idle | retractions"
+        " | agent: tool | gate wait | engine |",
+        "|---" * 11 + "|",
+    ]
     for r in records:
         e = r["engine"]
         a = r["agents"]
@@ -221,18 +350,26 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
             f"{e.get('retractions', '-')} | {_fmt(a['tool_seconds'])} | "
             f"{_fmt(a['wait_seconds'])} | {_fmt(a['gen_seconds'])} |"
         )
-    if any(r["config"] == FIXED_CAPS["config"] and r["system"].startswith("agent-cap")
-           for r in records):  # fmt: skip
+    if any(
+        r["config"] == FIXED_CAPS["config"] and r["system"].startswith("agent-cap") for r in records
+    ):
         key = FIXED_CAPS["config"]
-        out += ["", f"## Fixed agent caps ({key}; paper: best fixed cap ~"
-                    f"{FIXED_CAPS['paper_best']} s vs aimd 846 s)", ""]  # fmt: skip
+        out += [
+            "",
+            f"## Fixed agent caps ({key}; paper: best fixed cap ~"
+            f"{FIXED_CAPS['paper_best']} s vs aimd 846 s)",
+            "",
+        ]
         out += ["| system | simulated s |", "|---|---|"]
         for r in records:
-            if r["config"] == key and (r["system"].startswith("agent-cap") or r["system"] in
-                                       ("aimd", "none")):  # fmt: skip
+            if r["config"] == key and (
+                r["system"].startswith("agent-cap") or r["system"] in ("aimd", "none")
+            ):
                 out.append(f"| {r['system']} | {_fmt(r['sim_seconds'])} |")
-    for title, sweep, knob in (("U_high (U_low = 0.2)", SWEEP_U_HIGH, "uhigh"),
-                               ("U_low (U_high = 0.5)", SWEEP_U_LOW, "ulow")):  # fmt: skip
+    for title, sweep, knob in (
+        ("U_high (U_low = 0.2)", SWEEP_U_HIGH, "uhigh"),
+        ("U_low (U_high = 0.5)", SWEEP_U_LOW, "ulow"),
+    ):
         rows = []
         for key, paper in sweep.items():
             cells = []
@@ -301,10 +438,13 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
             ph = _phases(none["out"])
             if ph:
                 ok = ph[0] > 0.6 and ph[1] < ph[0] - 0.3 and ph[2] > ph[1] + 0.3
-                line(ok, f"{c.key} uncontrolled: three phases, H warmup {ph[0]:.2f}, "
-                         f"middle {ph[1]:.2f}, cooldown {ph[2]:.2f}; recompute "
-                         f"{none['engine']['seconds_prefill_recompute'] / none['sim_seconds']:.0%}"
-                         " of the time")  # fmt: skip
+                line(
+                    ok,
+                    f"{c.key} uncontrolled: three phases, H warmup {ph[0]:.2f}, "
+                    f"middle {ph[1]:.2f}, cooldown {ph[2]:.2f}; recompute "
+                    f"{none['engine']['seconds_prefill_recompute'] / none['sim_seconds']:.0%}"
+                    " of the time",
+                )
     for c in TABLE1:
         none, aimd = by.get(f"{c.key}-none"), by.get(f"{c.key}-aimd")
         if none and aimd:
@@ -315,9 +455,11 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
     aimd = by.get(f"{FIXED_CAPS['config']}-aimd")
     if caps and aimd:
         best = min(caps, key=lambda r: r["sim_seconds"])
-        line(aimd["sim_seconds"] < best["sim_seconds"],
-             f"{FIXED_CAPS['config']}: aimd {aimd['sim_seconds']:,.0f} s vs best fixed cap "
-             f"{best['system']} {best['sim_seconds']:,.0f} s")  # fmt: skip
+        line(
+            aimd["sim_seconds"] < best["sim_seconds"],
+            f"{FIXED_CAPS['config']}: aimd {aimd['sim_seconds']:,.0f} s vs best fixed cap "
+            f"{best['system']} {best['sim_seconds']:,.0f} s",
+        )
     for key in SWEEP_U_HIGH:
         base, high = by.get(f"{key}-aimd"), by.get(f"{key}-uhigh0.8")
         if base and high:
@@ -328,12 +470,16 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
         if all(rs):
             hic, aimd = by[f"{c.key}-hicache"], by[f"{c.key}-aimd"]
             top = max(rs, key=lambda r: r["hit_rate"] or 0)
-            line(top is hic or top["hit_rate"] == hic["hit_rate"],
-                 f"{c.key}: HiCache has the highest hit rate ({hic['hit_rate']:.1%}; aimd "
-                 f"{aimd['hit_rate']:.1%})")  # fmt: skip
-            line(aimd["sim_seconds"] < hic["sim_seconds"],
-                 f"{c.key}: aimd {aimd['sim_seconds']:,.0f} s vs HiCache "
-                 f"{hic['sim_seconds']:,.0f} s")  # fmt: skip
+            line(
+                top is hic or top["hit_rate"] == hic["hit_rate"],
+                f"{c.key}: HiCache has the highest hit rate ({hic['hit_rate']:.1%}; aimd "
+                f"{aimd['hit_rate']:.1%})",
+            )
+            line(
+                aimd["sim_seconds"] < hic["sim_seconds"],
+                f"{c.key}: aimd {aimd['sim_seconds']:,.0f} s vs HiCache "
+                f"{hic['sim_seconds']:,.0f} s",
+            )
     return out
 
 
@@ -352,16 +498,16 @@ def timelines(records: list[dict[str, Any]]) -> None:
             continue
         fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
         for r in runs:
-            lines = [json.loads(x) for x in (Path(r["out"]) / "control.jsonl").read_text()
-                     .splitlines()]  # fmt: skip
+            lines = [
+                json.loads(x) for x in (Path(r["out"]) / "control.jsonl").read_text().splitlines()
+            ]
             t = [x["t"] for x in lines]
             axes[0].step(t, [x["w_after"] for x in lines], where="post", label=r["system"])
             axes[1].plot(t, [x["u"] for x in lines], label=r["system"])
             axes[2].plot(t, [x["h"] for x in lines], ".", ms=2, label=r["system"])
             axes[3].plot(t, [x["active"] for x in lines], label=f"{r['system']} active")
             axes[3].plot(t, [x["finished"] for x in lines], "--", label=f"{r['system']} finished")
-        for ax, name in zip(axes, ["window W", "KV usage U", "hit rate H", "agents"],
-                            strict=True):  # fmt: skip
+        for ax, name in zip(axes, ["window W", "KV usage U", "hit rate H", "agents"], strict=True):
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)

@@ -17,11 +17,12 @@ from tools.gitrepo import ensure_repo
 from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
 
 from .agent import Agent
-from .control import Controller
+from .control import Controller, MultiController
 from .engine import Engine, EngineError, SamplingParams
 from .gate import Gate
 from .policies import Policy
 from .progress import Progress
+from .ranked_gate import RankedGate
 from .store import RunStore
 from .tasks import Task
 from .workspace import populate
@@ -74,15 +75,33 @@ class Batch:
         self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
         self.config = config
         self.todo = [t for t in tasks if t.id not in store.finished]
-        self.gate = Gate(
-            policy.initial_window(len(self.todo)),
-            unit=policy.unit,
-            pause_rule=config.pause_rule,
-            resume_rule=config.resume_rule,
-        )
-        self.controller = Controller(
-            self.gate, policy, engine.cache_stats, config.control_period, store.control
-        )
+        ranks = getattr(engine, "dp_size", 1) or 1
+        if ranks <= 1:
+            self.gate: Gate | RankedGate = self._gate(policy, len(self.todo))
+            self.controller: Controller | MultiController = Controller(
+                self.gate, policy, engine.cache_stats, config.control_period, store.control
+            )
+        else:  # data parallel: one window per rank, each agent sticks to its rank
+            per_rank = -(-len(self.todo) // ranks)
+            ranked = RankedGate(
+                [self._gate(policy, per_rank) for _ in range(ranks)],
+                bind=lambda key, r: engine.assign_rank(key, r),  # type: ignore[attr-defined]
+            )
+            self.gate = ranked
+            self.controller = MultiController(
+                ranked,
+                [
+                    Controller(
+                        ranked.view(r),
+                        policy,
+                        lambda r=r: engine.rank_stats(r),  # type: ignore[attr-defined]
+                        config.control_period,
+                        store.control,
+                        rank=r,
+                    )
+                    for r in range(ranks)
+                ],
+            )
         self.totals = Totals()
         self.progress = progress
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
@@ -92,6 +111,14 @@ class Batch:
             self._ws_root = config.workspace_root
             shutil.rmtree(self._ws_root, ignore_errors=True)  # left by a killed run
             self._ws_root.mkdir(parents=True)
+
+    def _gate(self, policy: Policy, n_agents: int) -> Gate:
+        return Gate(
+            policy.initial_window(n_agents),
+            unit=policy.unit,
+            pause_rule=self.config.pause_rule,
+            resume_rule=self.config.resume_rule,
+        )
 
     async def run(self) -> Totals:
         for t in self.todo:
@@ -138,7 +165,7 @@ class Batch:
                 tool_ctx=ctx,
                 sampling=self.config.sampling,
                 max_steps=task.max_steps or self.config.max_steps,
-                on_request=self._on_request,
+                on_request=lambda p, c, f, key=task.id: self._on_request(key, p, c, f),
             )
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:
@@ -194,9 +221,10 @@ class Batch:
             shutil.rmtree(ws)
         ws.mkdir(parents=True)
         source = Path(task.workspace) if task.workspace else None
-        await asyncio.to_thread(
-            populate, ws, source, task.files, self.config.limits.workspace_bytes
-        )
+        if source is not None or task.files:  # off the loop: copies can be large
+            await asyncio.to_thread(
+                populate, ws, source, task.files, self.config.limits.workspace_bytes
+            )
         self.sandbox.prepare_workspace(ws, ctx.uid)
         rec: dict[str, Any] = {}
         if task.setup:
@@ -219,8 +247,8 @@ class Batch:
             self.sandbox, task, ctx.workspace, ctx.uid, self.config.limits, self.config.eval_timeout
         )
 
-    def _on_request(self, prompt: int, cached: int, fresh: int) -> None:
-        self.controller.record(prompt, cached, fresh)
+    def _on_request(self, key: str, prompt: int, cached: int, fresh: int) -> None:
+        self.controller.record(prompt, cached, fresh, agent=key)
         self.totals.requests += 1
         self.totals.prompt += prompt
         self.totals.cached += cached

@@ -39,6 +39,7 @@ class PeriodTally:
 class ControlStats:
     windows: list[int] = field(default_factory=list)
     periods: int = 0
+    branches: dict[str, int] = field(default_factory=dict)  # how often each branch fired
     last: dict[str, Any] = field(default_factory=dict)  # the latest control line (progress)
 
 
@@ -51,6 +52,7 @@ class Controller:
         period: float,
         log_path: Path | None,
         clock: Callable[[], float] | None = None,
+        rank: int | None = None,
     ) -> None:
         if period <= 0:
             raise ValueError(f"--control-period must be > 0 seconds, got {period!r}")
@@ -60,17 +62,24 @@ class Controller:
         self.period = period
         self.log_path = log_path
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.rank = rank  # the data-parallel rank this controller steers, if any
         self._tally = PeriodTally()
+        self._first_cached: list[int] = []
         self._t0: float | None = None
         self.stats = ControlStats(windows=[gate.window])
 
-    def record(self, prompt_tokens: int, cached_tokens: int, fresh_tokens: int = 0) -> None:
+    def record(
+        self, prompt_tokens: int, cached_tokens: int, fresh_tokens: int = 0, agent: str = ""
+    ) -> None:
         """A request finished (called by the agent loop). `fresh_tokens`: the part of the
         prompt the engine had never been sent (the first prompt, then each new turn)."""
         self._tally.requests += 1
         self._tally.prompt += prompt_tokens
         self._tally.cached += cached_tokens
         self._tally.recomputed += max(0, prompt_tokens - cached_tokens - fresh_tokens)
+        if fresh_tokens >= prompt_tokens and len(self._first_cached) < 1000:
+            # an agent's first request: what it found cached is the prefix agents share
+            self._first_cached.append(cached_tokens)
 
     def step(self) -> dict[str, Any]:
         """One control period: signals -> policy -> gate. Returns the logged line."""
@@ -101,6 +110,9 @@ class Controller:
                 self.gate.growth_tokens / self.gate.growth_steps if self.gate.growth_steps else None
             ),
             recompute_rate=tally.recompute_rate(),
+            shared_tokens=(
+                statistics.median_low(self._first_cached) if self._first_cached else None
+            ),
         )
         decision = self.policy.update(sig)
         after = self.gate.resize(decision.window)
@@ -108,6 +120,7 @@ class Controller:
         events = self.gate.drain_events()
         line = {
             "t": round(now - self._t0, 3),
+            **({"rank": self.rank} if self.rank is not None else {}),
             "w_before": before,
             "w_after": after,
             "u": cache.usage,
@@ -122,6 +135,7 @@ class Controller:
         }
         self.stats.windows.append(after)
         self.stats.periods += 1
+        self.stats.branches[decision.branch] = self.stats.branches.get(decision.branch, 0) + 1
         self.stats.last = line
         if self.log_path is not None:
             with self.log_path.open("a", encoding="utf-8") as f:
@@ -145,9 +159,58 @@ class Controller:
             "resume_rule": self.gate.resume_rule,
             "control_period_s": self.period,
             "control_periods": self.stats.periods,
+            "branches": self.stats.branches,
             "window": {"min": min(w), "mean": round(statistics.fmean(w), 3), "max": max(w)},
             "pauses": self.gate.counters.pauses,
             "resumes": self.gate.counters.resumes,
             "agent_seconds_paused": round(paused_s, 3),
             "agent_seconds_pending": round(pending_s, 3),
         }
+
+
+class MultiController:
+    """One Controller per data-parallel rank (ranked_gate.py), stepped together: each rank's
+    window follows its own U and H. Same surface as Controller."""
+
+    def __init__(self, ranked: Any, controllers: list[Controller]) -> None:
+        self.ranked = ranked
+        self.controllers = controllers
+        self.period = controllers[0].period
+        self.policy = controllers[0].policy
+
+    @property
+    def stats(self) -> ControlStats:
+        return self.controllers[0].stats
+
+    def record(
+        self, prompt_tokens: int, cached_tokens: int, fresh_tokens: int = 0, agent: str = ""
+    ) -> None:
+        rank = self.ranked.rank.get(agent, 0)
+        self.controllers[rank].record(prompt_tokens, cached_tokens, fresh_tokens)
+
+    def step(self) -> list[dict[str, Any]]:
+        return [c.step() for c in self.controllers]
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self.step()
+
+    def summary(self) -> dict[str, Any]:
+        ranks = [c.summary() for c in self.controllers]
+        totals = [sum(w) for w in zip(*(c.stats.windows for c in self.controllers), strict=False)]
+        out = dict(ranks[0])
+        out.update(
+            window={
+                "min": min(totals),
+                "mean": round(statistics.fmean(totals), 3),
+                "max": max(totals),
+            },
+            pauses=sum(r["pauses"] for r in ranks),
+            resumes=sum(r["resumes"] for r in ranks),
+            agent_seconds_paused=round(sum(r["agent_seconds_paused"] for r in ranks), 3),
+            agent_seconds_pending=round(sum(r["agent_seconds_pending"] for r in ranks), 3),
+            dp_ranks=len(ranks),
+            ranks=ranks,
+        )
+        return out

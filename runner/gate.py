@@ -185,10 +185,11 @@ class Gate:
     def window(self) -> int:
         return self._window
 
-    def resize(self, window: int) -> int:
-        """Set W, clamped to [1, unfinished agents]; mark the excess paused (they stop at their
-        next boundary) or let waiters in. Returns the window actually set."""
-        unfinished = len(self._agents) - self._n["done"]
+    def resize(self, window: int, bound: int | None = None) -> int:
+        """Set W, clamped to [1, unfinished agents] (or to `bound`, when agents this gate has
+        not seen yet may still come: see ranked_gate.py); mark the excess paused (they stop at
+        their next boundary) or let waiters in. Returns the window actually set."""
+        unfinished = len(self._agents) - self._n["done"] if bound is None else bound
         self._window = max(1, min(window, max(1, unfinished)))
         excess = len(self._active) - self._window
         if excess > 0:
@@ -228,6 +229,10 @@ class Gate:
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]
+
+    def waiting(self) -> int:
+        """Agents with a claim on a slot of this gate that do not hold one (pending, paused)."""
+        return self._n["pending"] + self._n["paused"]
 
     def drain_events(self) -> list[tuple[str, str]]:
         ev, self.counters.events = self.counters.events, []

@@ -36,6 +36,7 @@ class Signals:
     waiting_contexts: tuple[int, ...] = ()  # waiting agents' contexts, in admission order
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
+    shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
 
 
 @dataclass(frozen=True)
@@ -202,14 +203,14 @@ class WorkingSet:
     wants_contexts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.target <= 1.0:
-            raise ValueError(f"wset target must be in (0, 1], got {self.target!r}")
+        if not 0.0 < self.target <= 2.0:  # above 1: deliberate overcommit
+            raise ValueError(f"wset target must be in (0, 2], got {self.target!r}")
         if self.headroom_steps < 0:
             raise ValueError(f"wset headroom_steps must be >= 0, got {self.headroom_steps!r}")
         if not 0.0 < self.max_recompute <= 1.0:
             raise ValueError(f"wset max_recompute must be in (0, 1], got {self.max_recompute!r}")
-        if not 0.0 < self.beta < 1.0:
-            raise ValueError(f"wset beta must be in (0, 1), got {self.beta!r}")
+        if not 0.0 < self.beta <= 1.0:  # 1: no cut on recompute
+            raise ValueError(f"wset beta must be in (0, 1], got {self.beta!r}")
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)  # nothing is resident yet: the first update fits it
@@ -219,10 +220,11 @@ class WorkingSet:
             d = self.fallback.update(s)
             return Decision(d.window, f"aimd-fallback:{d.branch}")
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
-        budget = self.target * s.capacity_tokens
+        shared = s.shared_tokens or 0
+        budget = self.target * s.capacity_tokens - shared  # the shared prefix, stored once
         fit = 0
         for ctx in (*s.held_contexts, *s.waiting_contexts):
-            budget -= ctx + growth
+            budget -= max(0, ctx - shared) + growth
             if budget < 0:
                 break
             fit += 1

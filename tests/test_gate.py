@@ -9,7 +9,7 @@ import pytest
 from runner.control import Controller
 from runner.engine import CacheStats
 from runner.gate import Gate
-from runner.policies import AIMD
+from runner.policies import AIMD, make_policy
 from runner.vclock import run_virtual
 
 
@@ -275,3 +275,32 @@ def test_stress_2000_agents_moving_window():
     assert admitted == {f"a{i}" for i in range(n)}  # nobody starved
     assert gate.counts()["finished"] == n
     assert gate.counters.pauses > 0 and gate.counters.resumes == gate.counters.pauses
+
+
+def test_contexts_and_growth_signals(tmp_path):
+    async def main():
+        gate = Gate(2, resume_rule="newest")
+        for k in "ABCD":
+            gate.register(k)
+        a = asyncio.create_task(gate.acquire("A", 100))
+        b = asyncio.create_task(gate.acquire("B", 200))
+        await asyncio.gather(a, b)
+        c = asyncio.create_task(gate.acquire("C", 300))
+        d = asyncio.create_task(gate.acquire("D", 400))
+        await asyncio.sleep(0)
+        assert gate.contexts() == ((100, 200), (300, 400))
+        await gate.acquire("A", 160)  # A's next step: +60
+        assert gate.growth_steps == 1 and gate.growth_tokens == 60
+        gate.finish("A")
+        gate.finish("B")
+        await asyncio.gather(c, d)
+        ctl = Controller(gate, make_policy("wset"), lambda: CacheStats(0.1, 1000), 1.0, None)
+        ctl.record(500, 0, 500)  # a first request: nothing cached
+        ctl.record(520, 300, 520)  # another agent's first request found 300 shared tokens
+        ctl.record(700, 200, 150)  # 700 - 200 cached - 150 fresh = 350 recomputed
+        line = ctl.step()
+        return line, ctl
+
+    line, _ctl = run_virtual(main())
+    assert line["recompute"] == round(350 / 1720, 4)
+    assert line["branch"] == "fit"

@@ -1,6 +1,14 @@
 import pytest
 
-from runner.policies import AIMD, AgentCap, NoGate, RequestCap, Signals, make_policy
+from runner.policies import (
+    AIMD,
+    AgentCap,
+    NoGate,
+    RequestCap,
+    Signals,
+    WorkingSet,
+    make_policy,
+)
 
 
 def sig(window, usage, hit, unfinished=100, **kw):
@@ -104,3 +112,70 @@ def test_fixed_policies():
     assert NoGate().update(sig(5, 0.9, 0.0, unfinished=42)).window == 42
     assert AgentCap(30).update(sig(5, 0.9, 0.0)).window == 30
     assert RequestCap(4).update(sig(9, 0.0, 1.0)).window == 4
+
+
+# ---- wset: working-set admission -------------------------------------------------------
+
+
+def ws_sig(held, waiting, capacity=10_000, window=None, **kw):
+    base = dict(
+        capacity_tokens=capacity,
+        held_contexts=tuple(held),
+        waiting_contexts=tuple(waiting),
+        growth_per_step=0.0,
+    )
+    base.update(kw)
+    return sig(window or len(held), 0.3, 0.9, **base)
+
+
+def test_wset_opens_wide_while_contexts_are_short():
+    # warmup: 50 agents of 150 tokens fit a 10K pool at once; AIMD would add 2 a period
+    d = WorkingSet().update(ws_sig([], [150] * 50))
+    assert (d.window, d.branch) == (50, "fit")
+
+
+def test_wset_burst_that_would_overflow_closes_the_window():
+    # four agents resident; one just appended a huge observation: only three still fit
+    calm = WorkingSet().update(ws_sig([2000, 2000, 2000, 2000], []))
+    assert calm.window == 4
+    burst = WorkingSet().update(ws_sig([2000, 2000, 2000, 6000], []))
+    assert burst.window == 3
+
+
+def test_wset_counts_growth_and_the_shared_prefix_once():
+    p = WorkingSet(target=1.0, headroom_steps=2.0)
+    # 10 agents of 1,000 tokens, 900 of which are the shared system prompt
+    assert p.update(ws_sig([1000] * 10, [], capacity=2000, shared_tokens=900)).window == 10
+    # without the sharing estimate they would not fit
+    assert p.update(ws_sig([1000] * 10, [], capacity=2000)).window == 2
+    # growth of 200 tokens a step, two steps of headroom each: 900 + 10 x (100 + 400) > 2000
+    grown = ws_sig([1000] * 10, [], capacity=2000, shared_tokens=900, growth_per_step=200.0)
+    assert p.update(grown).window == 2
+
+
+def test_wset_keeps_resident_agents_before_waiting_ones():
+    # a resident long prefix is expensive to lose: holders are counted first, so a waiting
+    # short agent is admitted only if it fits beside them
+    p = WorkingSet(target=1.0)
+    assert p.update(ws_sig([8000], [1500, 1500], capacity=10_000)).window == 2
+    assert p.update(ws_sig([8000], [2500], capacity=10_000)).window == 1
+
+
+def test_wset_tool_heavy_phase_counts_agents_in_tools():
+    # agents in tools send nothing (U is low) but their prefixes must stay resident: the
+    # window stays at what fits, it does not grow because U is low
+    s = ws_sig([3000, 3000, 3000], [3000, 3000], capacity=10_000)
+    s = Signals(**{**s.__dict__, "usage": 0.01})
+    assert WorkingSet().update(s).window == 3
+    assert AIMD().update(s).window == 5  # AIMD grows on low U
+
+
+def test_wset_cuts_on_measured_recompute_and_falls_back_without_capacity():
+    p = WorkingSet()
+    d = p.update(ws_sig([1000] * 8, [], window=8, recompute_rate=0.5))
+    assert (d.window, d.branch) == (4, "cut:recompute")
+    d = p.update(ws_sig([1000] * 8, [], capacity=None, window=8))
+    assert d.branch.startswith("aimd-fallback")
+    with pytest.raises(ValueError, match="target"):
+        WorkingSet(target=0)
+    assert make_policy("wset").wants_contexts and not make_policy("aimd").wants_contexts

@@ -7,6 +7,7 @@ relies on, as read from SGLang's source. bench/sglang_check.py checks the real t
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import types
 from pathlib import Path
@@ -301,9 +302,15 @@ def test_context_limit(monkeypatch):
 def test_sglang_context_refusal_maps_to_context_limit(monkeypatch):
     eng, _ = make(
         monkeypatch,
-        config={"replies": [ValueError("The input (9000 tokens) is longer than the model's "
-                                       "context length (8192 tokens).")]},
-    )  # fmt: skip
+        config={
+            "replies": [
+                ValueError(
+                    "The input (9000 tokens) is longer than the model's "
+                    "context length (8192 tokens)."
+                )
+            ]
+        },
+    )
     with pytest.raises(ContextLimitExceeded):
         run(eng.generate([200, 201], SP))
 
@@ -811,3 +818,35 @@ def test_bench_against_the_double(monkeypatch, tmp_path):
     assert report["requests"] == 9 and report["H"]["reuse_steps_2plus_min"] == 1.0
     assert report["engine_extra"]["sessions_closed"] == 3
     assert report["finish"]["stopped_on_eos"] == 9
+
+
+def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, tmp_path):
+    """The whole batch over the SGLang double with --dp 2: the per-rank gates bind each
+    agent's rank in the adapter before its first request, and every request goes there."""
+    from runner.batch import Batch, BatchConfig
+    from runner.policies import AgentCap
+    from runner.store import RunStore
+    from tools.sim import NullSandbox
+
+    submit = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
+    eng, fk = make(monkeypatch, config={"replies": [submit] * 6}, dp_size=2)
+    tasks = [
+        Task(f"t{i}", [{"role": "user", "content": "submit"}], tools=["submit"]) for i in range(6)
+    ]
+    store = RunStore(tmp_path / "run")
+    batch = Batch(
+        tasks, eng, NullSandbox(), AgentCap(1), store, BatchConfig(control_period=0.01, sampling=SP)
+    )
+
+    async def main():
+        await batch.run()
+        await eng.aclose()
+
+    run(main())
+    assert {r["status"] for r in store.finished.values()} == {"submitted"}
+    sent_ranks = {c.get("routed_dp_rank") for c in fk.calls}
+    assert sent_ranks == {0, 1}  # both ranks used, one window of 1 each
+    s = batch.controller.summary()
+    assert s["dp_ranks"] == 2 and s["window"]["max"] == 2
+    lines = (tmp_path / "run" / "control.jsonl").read_text().splitlines()
+    assert {json.loads(x)["rank"] for x in lines} == {0, 1}

@@ -67,6 +67,7 @@ class PrefixStateCache:
         self._states: OrderedDict[tuple[int, ...], _State] = OrderedDict()
         self.bytes = 0
         self.evictions = 0
+        self.bytes_per_token: float | None = None  # measured from the first saved state
 
     def best(self, prompt: list[int]) -> tuple[_State | None, int]:
         best, best_len = None, 0
@@ -85,6 +86,8 @@ class PrefixStateCache:
             self.bytes -= len(self._states.pop(k).data)
         self._states[tokens] = _State(tokens, data)
         self.bytes += len(data)
+        if self.bytes_per_token is None and len(tokens) >= 64:
+            self.bytes_per_token = len(data) / len(tokens)
         while self.bytes > self.capacity_bytes and self._states:
             _, st = self._states.popitem(last=False)
             self.bytes -= len(st.data)
@@ -159,6 +162,9 @@ class LlamaCppEngine:
         c = self.cache
         return CacheStats(
             usage=c.bytes / c.capacity_bytes if c.capacity_bytes else None,
+            capacity_tokens=(
+                int(c.capacity_bytes / c.bytes_per_token) if c.bytes_per_token else None
+            ),
             used_tokens=c.tokens,
             extra={
                 "states": len(c),

@@ -546,16 +546,32 @@ class SGLangEngine:
         """The DP rank the agent's requests go to, or None (dp_size 1, not seen yet, ended)."""
         return self._ranks.get(agent)
 
-    def assign_rank(self, agent: str) -> int | None:
-        """The agent's DP rank, assigned now if it has none (a per-rank gate can call this at
-        admission, before the first request). Sticky until `end_agent`. None without DP."""
+    def assign_rank(self, agent: str, rank: int | None = None) -> int | None:
+        """The agent's DP rank, assigned now if it has none: `rank` when the per-rank gate
+        chose it at admission, else by --dp-assign. Sticky until `end_agent`. None without
+        DP."""
         if self._rank_kw is None:
             return None
-        rank = self._ranks.get(agent)
-        if rank is None:
-            rank = self._ranks[agent] = self._pick_rank()
-            self._rank_agents[rank] += 1
-        return rank
+        current = self._ranks.get(agent)
+        if current is None:
+            if rank is not None and not 0 <= rank < self._dp_size:
+                raise ValueError(f"DP rank {rank} out of range 0..{self._dp_size - 1}")
+            current = self._ranks[agent] = self._pick_rank() if rank is None else rank
+            self._rank_agents[current] += 1
+        return current
+
+    def rank_stats(self, rank: int) -> CacheStats:
+        """One DP rank's signals, for its own gate window: its `token_usage` and pool size
+        (from the same snapshot `cache_stats` just read)."""
+        whole = self.cache_stats()
+        cap = None
+        for i, snap in enumerate(self._loads):
+            r = _field(snap, "dp_rank")
+            if (r if isinstance(r, int) else i) == rank:
+                v = _num(_field(snap, "max_total_num_tokens"))
+                cap = int(v) if v is not None else None
+        usage = whole.extra["rank_usage"][rank] if rank < len(whole.extra["rank_usage"]) else None
+        return CacheStats(usage=usage, capacity_tokens=cap, extra={"dp_rank": rank})
 
     @property
     def dp_size(self) -> int:

@@ -138,7 +138,7 @@ class AgentCap:
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ValueError(f"agent-cap:N needs N >= 1, got {self.n}")
+            raise ValueError(f"{self.name}:N needs N >= 1, got {self.n}")
 
     def initial_window(self, n_agents: int) -> int:
         return self.n
@@ -151,27 +151,12 @@ class AgentCap:
 
 
 @dataclass(frozen=True)
-class RequestCap:
+class RequestCap(AgentCap):
     """At most N generation requests in flight; an agent in a tool call holds nothing
     (the paper's request-level baseline)."""
 
-    n: int
     name: ClassVar[str] = "request-cap"
     unit: ClassVar[Unit] = "request"
-    wants_contexts: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"request-cap:N needs N >= 1, got {self.n}")
-
-    def initial_window(self, n_agents: int) -> int:
-        return self.n
-
-    def update(self, s: Signals) -> Decision:
-        return Decision(self.n, "fixed")
-
-    def params(self) -> dict[str, Any]:
-        return {"n": self.n}
 
 
 @dataclass(frozen=True)

@@ -210,45 +210,21 @@ class SimModel:
 
 # ---- seeded synthetic workloads ---------------------------------------------------------
 
+# Calibrated to the paper's description: contexts grow from ~512 to ~32K tokens over 10-50
+# steps; multi-second tools; a shared system prompt (docs/simulator.md).
+_PAPER: dict[str, Any] = dict(
+    agents=256,
+    steps=(10, 50),
+    start=512,
+    final=(16_000, 32_000),
+    gen=(40, 200),
+    tool_s=(1.0, 8.0),
+    system=1_000,
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    # Calibrated to the paper's description: contexts grow from ~512 to ~32K tokens over
-    # 10-50 steps; multi-second tools; a shared system prompt.
-    "paper": dict(
-        agents=256,
-        steps=(10, 50),
-        start=512,
-        final=(16_000, 32_000),
-        gen=(40, 200),
-        tool_s=(1.0, 8.0),
-        system=1_000,
-    ),
-    "paper-deepseek-16": dict(
-        agents=16,
-        steps=(10, 50),
-        start=512,
-        final=(16_000, 32_000),
-        gen=(40, 200),
-        tool_s=(1.0, 8.0),
-        system=1_000,
-    ),
-    "paper-deepseek-32": dict(
-        agents=32,
-        steps=(10, 50),
-        start=512,
-        final=(16_000, 32_000),
-        gen=(40, 200),
-        tool_s=(1.0, 8.0),
-        system=1_000,
-    ),
-    "paper-deepseek-40": dict(
-        agents=40,
-        steps=(10, 50),
-        start=512,
-        final=(16_000, 32_000),
-        gen=(40, 200),
-        tool_s=(1.0, 8.0),
-        system=1_000,
-    ),
+    "paper": _PAPER,
+    # the DeepSeek-V3 rows: the same agents, fewer of them
+    **{f"paper-deepseek-{n}": {**_PAPER, "agents": n} for n in (16, 32, 40)},
     "tiny": dict(
         agents=8,
         steps=(3, 6),

@@ -9,6 +9,8 @@ from runner.policies import AIMD
 from runner.ranked_gate import RankedGate
 from runner.vclock import run_virtual
 
+from .test_gate import agent  # the same agent-shaped coroutine, over a RankedGate
+
 
 class FakeDPEngine:
     """Test double of a data-parallel engine: per-rank usage set by the test, and a record
@@ -35,19 +37,6 @@ class FakeDPEngine:
         self.max_in_flight[r] = max(self.max_in_flight[r], self.in_flight[r])
         await asyncio.sleep(seconds)
         self.in_flight[r] -= 1
-
-
-async def agent(gate, eng, key, steps, gen, tool):
-    try:
-        for _ in range(steps):
-            await gate.acquire(key)
-            try:
-                await eng.generate(key, gen)
-            finally:
-                gate.done_request(key)
-            await asyncio.sleep(tool)
-    finally:
-        gate.finish(key)
 
 
 def make(ranks, window):

@@ -16,7 +16,7 @@ from typing import Any
 
 from tools.core import Observation, Tool, ToolContext, cap, check_args, schema
 
-from .engine import ContextLimitExceeded, Engine, SamplingParams
+from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
 from .gate import Gate
 from .tasks import Task
 from .template import turn_delta
@@ -89,8 +89,9 @@ class Agent:
     tool_ctx: ToolContext
     sampling: SamplingParams
     max_steps: int
-    # (prompt tokens, cached tokens, fresh tokens: never sent to the engine before)
-    on_request: Callable[[int, int, int], None] = lambda prompt, cached, fresh: None
+    # called after every request: (the engine's Generation, fresh tokens: the part of the
+    # prompt never sent to the engine before)
+    on_request: Callable[[Generation, int], None] = lambda gen, fresh: None
     on_step: Callable[[Step], None] = lambda step: None
     steps: list[Step] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -130,7 +131,7 @@ class Agent:
             raise ContextLimit(str(e)) from None
         finally:
             self.gate.done_request(self.key)
-        self.on_request(gen.prompt_tokens, gen.cached_tokens, len(self.ids) - self.seen)
+        self.on_request(gen, len(self.ids) - self.seen)
         step.prompt_tokens, step.cached_tokens = gen.prompt_tokens, gen.cached_tokens
         step.completion_tokens, step.gen_seconds = gen.completion_tokens, gen.seconds
         step.finish_reason = gen.finish_reason

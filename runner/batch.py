@@ -18,7 +18,7 @@ from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
 
 from .agent import Agent
 from .control import Controller, MultiController
-from .engine import Engine, EngineError, SamplingParams
+from .engine import Engine, EngineError, Generation, SamplingParams
 from .gate import Gate
 from .policies import Policy
 from .progress import Progress
@@ -165,7 +165,7 @@ class Batch:
                 tool_ctx=ctx,
                 sampling=self.config.sampling,
                 max_steps=task.max_steps or self.config.max_steps,
-                on_request=lambda p, c, f, key=task.id: self._on_request(key, p, c, f),
+                on_request=lambda gen, fresh, key=task.id: self._on_request(key, gen, fresh),
             )
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:
@@ -247,11 +247,13 @@ class Batch:
             self.sandbox, task, ctx.workspace, ctx.uid, self.config.limits, self.config.eval_timeout
         )
 
-    def _on_request(self, key: str, prompt: int, cached: int, fresh: int) -> None:
-        self.controller.record(prompt, cached, fresh, agent=key)
-        self.totals.requests += 1
-        self.totals.prompt += prompt
-        self.totals.cached += cached
+    def _on_request(self, key: str, gen: Generation, fresh: int) -> None:
+        self.controller.record(gen.prompt_tokens, gen.cached_tokens, fresh, agent=key)
+        t = self.totals
+        t.requests += 1
+        t.prompt += gen.prompt_tokens
+        t.cached += gen.cached_tokens
+        t.generated += gen.completion_tokens
 
     @staticmethod
     def _agent_fields(agent: Agent) -> dict[str, Any]:
@@ -276,7 +278,6 @@ class Batch:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
         t.steps += rec.get("steps", 0)
-        t.generated += rec.get("completion_tokens", 0)
         if rec.get("eval"):
             t.evaluated += 1
             t.solved += bool(rec["eval"]["solved"])

@@ -30,7 +30,7 @@ def snapshot(batch: Batch, t0: float) -> dict[str, Any]:
         "paused": c["paused"],
         "pending": c["pending"],
         "window": batch.gate.window,
-        "steps": tot.steps,
+        "steps": tot.requests,  # every step is one generation request
         "requests": tot.requests,
         "tok_s": rate,
         "hit": tot.cached / tot.prompt if tot.prompt else None,
@@ -49,7 +49,7 @@ def render(s: dict[str, Any]) -> str:
     return (
         f"agents {s['done']}/{s['total']} | W {s['window']} active {s['active']} "
         f"paused {s['paused']} pending {s['pending']} | "
-        f"requests {s['requests']} steps {s['steps']} | "
+        f"steps {s['steps']} | "
         f"{s['tok_s']:.1f} tok/s | hit {pct(s['hit'])} | U {pct(s['u'])} H {pct(s['h'])} | "
         f"{s['elapsed']:.0f}s, ETA {eta}"
     )

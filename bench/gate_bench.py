@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runner.control import Controller
 from runner.engine import CacheStats, SamplingParams
 from runner.gate import Gate
-from runner.policies import AIMD
+from runner.policies import AIMD, WorkingSet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,6 +58,14 @@ async def gate_costs(n: int) -> dict[str, float]:
         ctl.step()
     control_us = (time.perf_counter() - t) / periods * 1e6
 
+    # the same with wset, which reads every agent's context each period (O(n log n))
+    ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0, None)
+    t = time.perf_counter()
+    for _ in range(periods):
+        ws.record(1000, 100)
+        ws.step()
+    control_wset_us = (time.perf_counter() - t) / periods * 1e6
+
     # pause + resume cycle: shrink to half (marks n/2), they reach a boundary and wait,
     # then grow back (resumes n/2)
     gate.resize(n)
@@ -81,6 +89,7 @@ async def gate_costs(n: int) -> dict[str, float]:
         "admit_waiting_agent_us": admit_us,
         "pause_resume_cycle_us_per_agent": cycle_us,
         "control_update_us": control_us,
+        "control_update_wset_us": control_wset_us,
         "finish_us": finish_us,
     }
 

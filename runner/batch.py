@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from tools.core import DEFAULT_TOOLS, ToolContext, get_tools
 from tools.gitrepo import ensure_repo
-from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox
+from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
 
 from .agent import Agent
 from .control import Controller, MultiController
@@ -109,7 +108,7 @@ class Batch:
             self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
         else:
             self._ws_root = config.workspace_root
-            shutil.rmtree(self._ws_root, ignore_errors=True)  # left by a killed run
+            remove_tree(self._ws_root)  # left by a killed run
             self._ws_root.mkdir(parents=True)
 
     def _gate(self, policy: Policy, n_agents: int) -> Gate:
@@ -136,7 +135,7 @@ class Batch:
                     ui.cancel()
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
-            shutil.rmtree(self._ws_root, ignore_errors=True)
+            remove_tree(self._ws_root)
         self.controller.step()  # a last control line with the final counts
         return self.totals
 
@@ -181,6 +180,32 @@ class Batch:
             await self.engine.end_agent(task.id)
         except Exception as e:  # releasing engine state must not lose the record
             log.warning("engine could not release agent %s: %s", task.id, e)
+        try:
+            await self._finish_record(task, ctx, agent, record, status, reason, answer, t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # recording must never end the batch: keep a minimal record
+            log.exception("could not record agent %s in full", task.id)
+            self.store.add_trajectory(
+                {
+                    "task_id": task.id,
+                    "status": "error",
+                    "reason": f"recording failed: {type(e).__name__}: {e} (agent: {status})",
+                }
+            )
+            self._count({"status": "error"})
+
+    async def _finish_record(
+        self,
+        task: Task,
+        ctx: ToolContext,
+        agent: Agent | None,
+        record: dict[str, Any],
+        status: str,
+        reason: str,
+        answer: str | None,
+        t0: float,
+    ) -> None:
         if status == "error":
             self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
         record.update(
@@ -194,31 +219,31 @@ class Batch:
         if agent is not None:
             record.update(self._agent_fields(agent))
         record["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
+        # The workspace is put away BEFORE the record says the task is done: a kill in
+        # between re-runs the task rather than losing a kept workspace.
+        try:
+            self._dispose(ctx.workspace)
+        except OSError as e:
+            log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
         self.store.add_trajectory(record)
         self._count(record)
-        try:
-            self._dispose(ws)
-        except OSError as e:
-            log.warning("could not clean up workspace %s: %s", ws, e)
 
     def _dispose(self, ws: Path) -> None:
+        if not ws.exists():  # never created (the task failed before its workspace)
+            return
         keep = self.config.keep_workspaces
         if keep is None:
-            shutil.rmtree(ws, ignore_errors=True)
+            remove_tree(ws)
             return
         keep.mkdir(parents=True, exist_ok=True)
-        dest = keep / ws.name
-        if dest.exists():  # from an earlier, interrupted attempt at this task
-            shutil.rmtree(dest)
-        shutil.move(str(ws), dest)
+        move_tree(ws, keep / ws.name)
 
     async def _prepare(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
         """The workspace: the task's `workspace` source and `files` (host side, never
         following links), then, in the sandbox as the agent's uid, the `setup` commands and a
         git base commit (so that submit can capture the patch)."""
         ws = ctx.workspace
-        if ws.exists():  # left by an interrupted run: start clean
-            shutil.rmtree(ws)
+        remove_tree(ws)  # left by an interrupted run: start clean
         ws.mkdir(parents=True)
         source = Path(task.workspace) if task.workspace else None
         if source is not None or task.files:  # off the loop: copies can be large
@@ -297,7 +322,9 @@ async def evaluate(
     limits = Limits(**{**asdict(limits), "timeout_s": timeout})
     try:
         r = await sandbox.run(task.eval, workspace, uid, limits)
-    except OSError as e:  # the sandbox itself failed: a record, not a crash
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the sandbox failed, or the command cannot be run: a record
         return {"command": task.eval, "solved": False, "error": f"{type(e).__name__}: {e}"}
     return {
         "command": task.eval,

@@ -23,7 +23,7 @@ from .engines.sglang import add_sglang_arguments, sglang_available, sglang_engin
 from .gate import PAUSE_RULES, RESUME_RULES
 from .policies import make_policy
 from .progress import Progress
-from .store import RunStore
+from .store import RunFolderBusy, RunStore
 from .tasks import TaskSourceError, load_tasks
 
 log = logging.getLogger("concur")
@@ -253,10 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
     except TaskSourceError as e:
         return fail(str(e))
-    out = args.out or OUTPUTS / Path(source).stem.replace("/", "_")
+    local = Path(source).is_file()
+    out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     if args.eval_only and not (out / "trajectories.jsonl").is_file():
         return fail(f"--eval-only: {out} holds no trajectories.jsonl; pass the run folder (--out)")
-    store = RunStore(out, retry_errors=args.retry_errors and not args.eval_only)
+    try:
+        store = RunStore(out)
+    except RunFolderBusy as e:
+        return fail(str(e))
     setup_logging(store.log, args.quiet)
     if store.repaired_bytes:
         log.warning(
@@ -264,16 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     for err in bad:
         store.add_error(err.to_json())
-        log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
-    todo = [t for t in tasks if t.id not in store.finished]
-    log.info(
-        "%d tasks from %s: %d already finished in %s, %d to run",
-        len(tasks),
-        source,
-        len(tasks) - len(todo),
-        out,
-        len(todo),
-    )
+        if err.line > 0:
+            log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
+        else:
+            log.warning("%s: %s", err.source, err.reason)
+    n_bad = sum(1 for err in bad if err.line > 0)  # not the --task-ids complaint
 
     from tools.sandbox import Limits
 
@@ -311,6 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
 
+    if args.retry_errors:  # only now: a failed start must not have dropped their records
+        again = store.retry_errors({t.id for t in tasks})
+        if again:
+            log.info("--retry-errors: %d tasks run again: %s", len(again), ", ".join(again))
+    todo = [t for t in tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(tasks),
+        source,
+        len(tasks) - len(todo),
+        out,
+        len(todo),
+    )
     t0 = time.monotonic()
     interrupted = False
     batch = Batch(
@@ -321,10 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         log.warning("interrupted: finished agents are saved; run the same command to resume")
-    summary = build_summary(
-        args, batch, engine, why, tasks, len(bad), time.monotonic() - t0, interrupted
-    )
-    store.write_summary(summary)
+    except BaseException:
+        interrupted = True
+        log.exception("the batch crashed; finished agents are saved; run again to resume")
+        raise
+    finally:
+        summary = build_summary(
+            args, batch, engine, why, tasks, n_bad, time.monotonic() - t0, interrupted
+        )
+        store.write_summary(summary)
     s = summary
     log.info(
         "done in %.1fs: %s; solved %s/%s; hit rate %s; outputs in %s",
@@ -345,6 +362,9 @@ def _eval_only(tasks: list[Any], store: RunStore, sandbox: Any, config: BatchCon
         res = rescore(tasks, store, sandbox, config)
     except RescoreError as e:
         return fail(str(e))
+    except KeyboardInterrupt:
+        log.warning("eval-only interrupted: trajectories.jsonl and summary.json are unchanged")
+        return 130
     log.info(
         "eval-only: re-scored %d tasks in %.1fs; solved %d/%d; %d workspaces missing; "
         "updated %s and %s",
@@ -410,7 +430,8 @@ def build_summary(
     wall: float,
     interrupted: bool,
 ) -> dict[str, Any]:
-    """Totals over every finished record of the run folder (earlier sessions included)."""
+    """Totals over the selected tasks' finished records in the run folder (earlier sessions
+    included); `this_session` covers this process only."""
     recs = [batch.store.finished[t.id] for t in tasks if t.id in batch.store.finished]
     by_status: dict[str, int] = {}
     for r in recs:

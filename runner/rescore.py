@@ -12,13 +12,12 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import AGENT_UID_BASE, Sandbox
+from tools.sandbox import AGENT_UID_BASE, Sandbox, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
 from .store import RunStore, write_json_atomic
@@ -46,7 +45,12 @@ def rescore(
             "batch with --keep-workspaces to keep them"
         )
     by_id = {t.id: t for t in tasks}
-    todo = [by_id[tid] for tid in store.finished if tid in by_id and by_id[tid].eval]
+    # only agents that ran: a task whose setup failed was never evaluated, nor is it now
+    todo = [
+        by_id[tid]
+        for tid, rec in store.finished.items()
+        if tid in by_id and by_id[tid].eval and "messages" in rec
+    ]
     missing = [t.id for t in todo if not (ws_dir / t.id).is_dir()]
     for tid in missing:
         log.warning("task %s: no kept workspace in %s; its eval is left as it was", tid, ws_dir)
@@ -93,26 +97,34 @@ async def _run_all(
 
     async def one(i: int, task: Task) -> tuple[str, dict[str, Any] | None]:
         async with sem:
-            return task.id, await _eval_one(task, ws_dir / task.id, AGENT_UID_BASE + i)
+            try:
+                return task.id, await _eval_one(task, ws_dir / task.id, AGENT_UID_BASE + i)
+            except Exception as e:  # one bad workspace or command must not stop the others
+                log.warning("task %s: eval failed: %s: %s", task.id, type(e).__name__, e)
+                return task.id, {
+                    "command": task.eval,
+                    "solved": False,
+                    "error": f"{type(e).__name__}: {e}",
+                }
 
     async def _eval_one(task: Task, ws: Path, uid: int) -> dict[str, Any] | None:
         try:
             sandbox.prepare_workspace(ws, uid)
         except PermissionError:
             moved = tmp_root / task.id
-            shutil.move(str(ws), moved)
+            move_tree(ws, moved)
             try:
                 sandbox.prepare_workspace(moved, uid)
                 return await evaluate(sandbox, task, moved, uid, config.limits, config.eval_timeout)
             finally:
-                shutil.move(str(moved), ws)
+                move_tree(moved, ws)
         return await evaluate(sandbox, task, ws, uid, config.limits, config.eval_timeout)
 
     try:
         done = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
     finally:
         await sandbox.aclose()
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        remove_tree(tmp_root)
     return dict(done)
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -34,10 +35,15 @@ def _repair(path: Path) -> int:
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
-    line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
+    # reads back unchanged, instead of an encoding error that would lose the record
+    text = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+    line = text.encode("utf-8", "backslashreplace")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)  # one write per line: O_APPEND keeps lines whole and in order
+        written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
+        while written < len(line):  # a short write (disk nearly full): finish the line
+            written += os.write(fd, line[written:])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -49,10 +55,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+class RunFolderBusy(RuntimeError):
+    """Another process is writing this run folder."""
+
+
 class RunStore:
-    def __init__(self, root: Path, retry_errors: bool = False) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        # One writer per run folder: two runs appending to the same files would duplicate
+        # every task and delete each other's live workspaces.
+        self._lock = (root / ".lock").open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RunFolderBusy(
+                f"{root} is in use by another run (lock {root / '.lock'}); wait for it to end "
+                "or choose another --out"
+            ) from None
         self.trajectories = root / "trajectories.jsonl"
         self.errors = root / "errors.jsonl"
         self.summary = root / "summary.json"
@@ -60,30 +81,44 @@ class RunStore:
         self.log = root / "run.log"
         self.repaired_bytes = _repair(self.trajectories) + _repair(self.errors)
         self.finished: dict[str, dict[str, Any]] = {}
-        self.retried: list[str] = []
-        self._load(retry_errors)
+        self._load()
 
-    def _load(self, retry_errors: bool) -> None:
+    def _load(self) -> None:
         if not self.trajectories.exists():
             return
+        with self.trajectories.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    self.finished[rec["task_id"]] = rec
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # not ours to judge; left in place
+
+    def retry_errors(self, task_ids: set[str]) -> list[str]:
+        """Forget the 'error' records of these tasks so they run again: their lines move to
+        errors.jsonl (kind previous_attempt) and trajectories.jsonl is rewritten atomically.
+        Records of other tasks are left alone. Returns the ids that will run again."""
+        retry = [t for t in task_ids if self.finished.get(t, {}).get("status") == "error"]
+        if not retry:
+            return []
         keep: list[str] = []
         with self.trajectories.open(encoding="utf-8") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                    tid = rec["task_id"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # not ours to judge; left in place
-                if retry_errors and rec.get("status") == "error":
-                    self.retried.append(tid)
-                    _append(self.errors, {"kind": "previous_attempt", **rec})
+                except json.JSONDecodeError:
+                    keep.append(line)
                     continue
-                keep.append(line)
-                self.finished[tid] = rec
-        if self.retried:  # rewrite without the error lines, atomically
-            tmp = self.trajectories.with_name("trajectories.jsonl.tmp")
-            tmp.write_text("".join(keep), encoding="utf-8")
-            os.replace(tmp, self.trajectories)
+                if isinstance(rec, dict) and rec.get("task_id") in retry:
+                    _append(self.errors, {"kind": "previous_attempt", **rec})
+                else:
+                    keep.append(line)
+        tmp = self.trajectories.with_name("trajectories.jsonl.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, self.trajectories)
+        for t in retry:
+            del self.finished[t]
+        return sorted(retry)
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}

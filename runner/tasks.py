@@ -198,8 +198,10 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     tid = rec.get("id")
     if isinstance(tid, int) and not isinstance(tid, bool):
         tid = str(tid)
-    if not isinstance(tid, str) or not tid.strip():
+    if tid is None or (isinstance(tid, str) and not tid.strip()):
         raise ValueError('missing or empty "id"')
+    if not isinstance(tid, str):
+        raise ValueError(f'"id" must be a string or an integer, got {type(tid).__name__}')
     if any(c in tid for c in "/\\\0") or tid in (".", ".."):
         raise ValueError(f'"id" {tid!r} must not contain "/", "\\" or NUL')
     prompt, msgs, system = rec.get("prompt"), rec.get("messages"), rec.get("system")
@@ -254,6 +256,9 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ev = rec.get("eval")
     if ev is not None and not isinstance(ev, str):
         raise ValueError('"eval" must be a command string')
+    for name, cmd in [*(("setup", c) for c in setup), ("eval", ev or "")]:
+        if "\0" in cmd:
+            raise ValueError(f'"{name}" command contains a NUL character')
     meta = rec.get("metadata") or {}
     if not isinstance(meta, dict):
         raise ValueError('"metadata" must be an object')
@@ -262,6 +267,12 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         isinstance(tools, list) and all(isinstance(t, str) for t in tools)
     ):
         raise ValueError('"tools" must be a list of tool names')
+    if tools is not None:
+        from tools.core import REGISTRY  # the tool names a task may ask for
+
+        unknown = [t for t in tools if t not in REGISTRY]
+        if unknown:
+            raise ValueError(f'"tools" names unknown tools {unknown}; known: {sorted(REGISTRY)}')
     replay = rec.get("replay")
     if replay is not None and not (
         isinstance(replay, list) and all(isinstance(r, str) for r in replay)
@@ -316,6 +327,7 @@ def load_tasks(
     tasks: list[Task] = []
     errors: list[RecordError] = []
     seen: dict[str, int] = {}
+    unknown_fields: dict[str, int] = {}
     for n, rec in enumerate(records, start=1):
         if rec is _BLANK:
             continue
@@ -328,6 +340,9 @@ def load_tasks(
             tid = rec.get("id") if isinstance(rec, dict) else None
             errors.append(RecordError(location, n, tid if isinstance(tid, str) else None, str(e)))
             continue
+        for k in rec:
+            if k not in KNOWN_FIELDS:
+                unknown_fields[k] = unknown_fields.get(k, 0) + 1
         if task.id in seen:
             errors.append(
                 RecordError(
@@ -350,4 +365,7 @@ def load_tasks(
         tasks = [t for t in tasks if t.id in wanted]
     if limit is not None:
         tasks = tasks[:limit]
+    if unknown_fields:
+        listing = ", ".join(f"{k!r} ({n} records)" for k, n in sorted(unknown_fields.items()))
+        errors.append(RecordError(location, 0, None, f"unknown task fields ignored: {listing}"))
     return tasks, errors, location

@@ -25,7 +25,9 @@ from tools.sandbox import (
     SandboxUnavailable,
     UnsandboxedSandbox,
     make_sandbox,
+    move_tree,
     probe_bwrap,
+    remove_tree,
 )
 
 pytestmark = [
@@ -375,3 +377,50 @@ def test_none_mode(base: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert all(s.startswith("Z") for s in states), states
     r = run(sb, base, uid, "sleep 100", timeout_s=0.5)
     assert r.timed_out and r.exit_code is None and r.seconds < 3
+
+
+def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Path) -> None:
+    # 1,100 nested directories: deeper than Python's recursion limit and than the walk bound
+    uid = UID + 40
+    r = run(sb, base, uid, "for i in $(seq 1100); do mkdir d && cd d; done; echo made")
+    assert r.workspace_over_limit  # too deep to walk: counts as over (and the watch kills it)
+    deep = base / f"ws{uid}"
+    subprocess.run(
+        ["bash", "-c", "for i in $(seq 1100); do mkdir -p d && cd d; done"], cwd=deep, check=True
+    )
+    remove_tree(deep)  # no RecursionError (shutil.rmtree would raise), nothing left
+    assert not deep.exists()
+    # every hard-link name costs a block: 2,000 links to one byte are 8 MB, not 1 byte
+    uid = UID + 41
+    r = run(
+        sb,
+        base,
+        uid,
+        "echo x > f; for i in $(seq 2000); do ln f l$i; done",
+        workspace_bytes=4_000_000,
+    )
+    assert r.workspace_over_limit
+
+
+def test_no_pseudo_terminals(sb: BwrapSandbox, base: Path) -> None:
+    # all sandboxes share the kernel's pty pool: none may take from it
+    r = run(sb, base, UID + 42, "python3 -c 'import os; os.openpty()' 2>&1; echo done")
+    assert "PermissionError" in r.output and "done" in r.output
+
+
+def test_move_tree_keeps_owner_and_never_follows_links(base: Path, tmp_path: Path) -> None:
+    src = base / "mv-src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    os.symlink("/etc/shadow", src / "link")
+    os.chown(src / "f", UID + 43, UID + 43)
+    other = Path("/dev/shm") / f"concur-mv-{os.getpid()}"  # another filesystem: cp -a path
+    other.mkdir()
+    try:
+        move_tree(src, other / "dst")
+        dst = other / "dst"
+        assert not src.exists()
+        assert (dst / "f").stat().st_uid == UID + 43  # not root
+        assert os.readlink(dst / "link") == "/etc/shadow"  # a link, still, not a copy of it
+    finally:
+        remove_tree(other)

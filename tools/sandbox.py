@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -170,6 +171,11 @@ def _bwrap_flags(workspace: Path, limits: Limits, workdir: str, env: dict[str, s
         str(limits.tmp_bytes),
         "--tmpfs",
         "/dev/shm",
+        # No pseudo-terminals: every sandbox's devpts shares one kernel-wide pool (pty.max),
+        # which one agent could exhaust for all others.
+        "--ro-bind",
+        "/dev/null",
+        "/dev/pts/ptmx",
         "--remount-ro",
         "/dev",
         "--size",
@@ -224,48 +230,128 @@ def _check_traversable(workspace: Path, uid: int) -> None:
             )
 
 
+# Directories are opened without following links and without blocking: anything an agent
+# swaps in for a directory (a symlink, a FIFO, a device) fails to open instead of steering or
+# hanging a root thread.
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+WALK_MAX_ENTRIES = 200_000  # past this a workspace counts as over its size limit
+WALK_MAX_DEPTH = 256
+
+
+class WalkLimit(OSError):
+    """A workspace too large (entries) or too deep to walk safely."""
+
+
+def _walk(root: Path) -> Iterator[tuple[int, str, os.stat_result]]:
+    """Every entry under root as (parent dir fd, name, lstat), depth first and iterative
+    (no recursion limit to hit), at most WALK_MAX_DEPTH directories open at once."""
+    fd = os.open(root, _OPEN_DIR)
+    stack: list[tuple[int, Iterator[os.DirEntry[str]]]] = [(fd, os.scandir(fd))]
+    n = 0
+    try:
+        while stack:
+            fd, it = stack[-1]
+            entry = next(it, None)
+            if entry is None:
+                stack.pop()
+                it.close()  # type: ignore[attr-defined]
+                os.close(fd)
+                continue
+            try:
+                st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            n += 1
+            if n > WALK_MAX_ENTRIES:
+                raise WalkLimit(f"{root}: more than {WALK_MAX_ENTRIES} entries")
+            yield fd, entry.name, st
+            if stat.S_ISDIR(st.st_mode):
+                if len(stack) >= WALK_MAX_DEPTH:
+                    raise WalkLimit(f"{root}: nested deeper than {WALK_MAX_DEPTH} directories")
+                try:
+                    sub = os.open(entry.name, _OPEN_DIR, dir_fd=fd)
+                except OSError:  # removed or swapped for a non-directory meanwhile
+                    continue
+                stack.append((sub, os.scandir(sub)))
+    finally:
+        for fd, it in stack:
+            it.close()  # type: ignore[attr-defined]
+            os.close(fd)
+
+
 def _chown_tree(root: Path, uid: int) -> None:
-    # fwalk + dir_fd + follow_symlinks=False: symlinks planted in the workspace are never
-    # followed, so this root-run chown cannot be steered at files outside it.
-    for _dirpath, dirnames, filenames, dirfd in os.fwalk(root, follow_symlinks=False):
-        os.fchown(dirfd, uid, uid)
-        for name in dirnames + filenames:
-            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            if st.st_uid == uid and st.st_gid == uid:
-                continue
-            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                # A hard link may point at a file outside the workspace: leave it alone.
-                log.warning("not chowning hard-linked file %s/%s", _dirpath, name)
-                continue
-            os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
+    # dir fds + follow_symlinks=False: symlinks planted in the workspace are never followed,
+    # so this root-run chown cannot be steered at files outside it.
+    os.chown(root, uid, uid, follow_symlinks=False)
+    for dirfd, name, st in _walk(root):
+        if st.st_uid == uid and st.st_gid == uid:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            # A hard link may point at a file outside the workspace: leave it alone.
+            log.warning("not chowning hard-linked file %s in %s", name, root)
+            continue
+        os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
 
 
 def _disk_usage(root: Path, limit: int) -> int:
-    """Bytes allocated under root (du-like, hard links counted once, symlinks not followed).
-    Stops early once past `limit + 1`: the caller only needs to know whether it is over."""
+    """Bytes allocated under root (du-like, symlinks not followed; every name, hard links
+    included, costs at least one block, so masses of empty files or links count too). Stops
+    early once past `limit + 1`: the caller only needs to know whether it is over. A tree
+    too big or too deep to walk counts as over."""
     total = 0
     seen: set[tuple[int, int]] = set()
     try:
-        walker = os.fwalk(root, follow_symlinks=False)
-        for _dirpath, dirnames, filenames, dirfd in walker:
-            for name in dirnames + filenames:
-                try:
-                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                    key = (st.st_dev, st.st_ino)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                # Every entry costs at least one block: many empty files (inodes) count too.
-                total += max(st.st_blocks * 512, _MIN_ENTRY_BYTES)
+        for _fd, _name, st in _walk(root):
+            blocks = st.st_blocks * 512
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    blocks = 0  # its data is counted once; the name still costs a block
+                seen.add(key)
+            total += max(blocks, _MIN_ENTRY_BYTES)
             if total > limit:
-                walker.close()
                 break
+    except WalkLimit:
+        return limit + 1
     except FileNotFoundError:
         pass
     return total
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a workspace tree as root, safely: GNU rm never follows symlinks, stays on one
+    filesystem and has no recursion limit (shutil.rmtree in 3.11 recurses: a deep tree made by
+    an agent raises RecursionError). Missing paths are fine; failures are logged."""
+    if not os.path.lexists(path):
+        return
+    r = subprocess.run(
+        ["rm", "-rf", "--one-file-system", "--", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        log.warning("could not remove %s: %s", path, r.stderr.strip()[:500])
+
+
+def move_tree(src: Path, dst: Path) -> None:
+    """Move a workspace tree as root without letting it gain anything: a rename on the same
+    filesystem; across filesystems `cp -a` (owners stay the agent's uid, never root; hard
+    links, holes and symlinks kept as they are, never followed), then the source removed.
+    shutil.move would copy as root: setuid files would become root-owned, links expanded."""
+    remove_tree(dst)
+    if os.stat(src.parent).st_dev == os.stat(dst.parent).st_dev:
+        os.rename(src, dst)
+        return
+    r = subprocess.run(
+        ["cp", "-a", "--one-file-system", "--", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        raise OSError(f"could not copy {src} to {dst}: {r.stderr.strip()[:500]}")
+    remove_tree(src)
 
 
 def _human(n: int) -> str:

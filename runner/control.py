@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any
 from .engine import CacheStats
 from .gate import Gate
 from .policies import Policy, Signals
+
+log = logging.getLogger("concur")
 
 
 @dataclass
@@ -143,10 +146,15 @@ class Controller:
         return line
 
     async def run(self) -> None:
-        """Runs until cancelled."""
+        """Runs until cancelled. A failing period (an engine that cannot report its signals,
+        a full disk for control.jsonl, a policy bug) is logged and the window kept: the
+        controller must never take the batch down."""
         while True:
             await asyncio.sleep(self.period)
-            self.step()
+            try:
+                self.step()
+            except Exception:
+                log.exception("control period failed; the window stays at %d", self.gate.window)
 
     def summary(self) -> dict[str, Any]:
         w = self.stats.windows
@@ -194,7 +202,11 @@ class MultiController:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.period)
-            self.step()
+            for c in self.controllers:
+                try:
+                    c.step()
+                except Exception:
+                    log.exception("control period of DP rank %s failed", c.rank)
 
     def summary(self) -> dict[str, Any]:
         ranks = [c.summary() for c in self.controllers]

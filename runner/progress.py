@@ -61,6 +61,14 @@ class Progress:
         self.tty = sys.stderr.isatty() if tty is None else tty
 
     async def run(self, batch: Batch) -> None:
+        """Until cancelled. A display failure is logged once and the display stops; the batch
+        goes on."""
+        try:
+            await self._run(batch)
+        except Exception:
+            log.exception("progress display failed; the batch goes on without it")
+
+    async def _run(self, batch: Batch) -> None:
         t0 = time.monotonic()
         if not self.tty:
             while True:

@@ -132,6 +132,11 @@ def test_text_fields_that_look_like_json_stay_text(tmp_path):
 # ---------------------------------------------------------------- invalid records
 
 # (record or raw line, word the reason must mention)
+BAD_EXTRA: list[tuple[object, str]] = [
+    ({"id": "nul", "prompt": "x", "eval": "echo a\u0000b"}, "NUL"),
+    ({"id": "tl", "prompt": "x", "tools": ["bash", "teleport"]}, "unknown tools"),
+    ({"id": 7.5, "prompt": "x"}, "string or an integer"),
+]
 BAD: list[tuple[object, str]] = [
     ('{"id": "broken", "prompt": ', "JSON"),
     ({"prompt": "no id"}, "id"),
@@ -182,7 +187,7 @@ def test_each_invalid_record_is_reported_with_file_line_and_field(tmp_path):
     # Layout: good, blank, bad, good-ish separator, bad, ... so line numbers are not dense.
     lines: list = [{"id": "first", "prompt": "ok"}, ""]
     expect: dict[int, str] = {}
-    for i, (rec, word) in enumerate(BAD):
+    for i, (rec, word) in enumerate(BAD + BAD_EXTRA):
         lines.append(rec)
         expect[len(lines)] = word
         lines.append({"id": f"ok-{i}", "prompt": "fine"})
@@ -193,7 +198,8 @@ def test_each_invalid_record_is_reported_with_file_line_and_field(tmp_path):
 
     tasks, errors, _ = load_tasks(str(path))
 
-    assert [t.id for t in tasks] == ["first"] + [f"ok-{i}" for i in range(len(BAD))] + ["last"]
+    n = len(BAD + BAD_EXTRA)
+    assert [t.id for t in tasks] == ["first"] + [f"ok-{i}" for i in range(n)] + ["last"]
     assert all(isinstance(e, RecordError) for e in errors)
     assert {e.line: e.reason for e in errors}.keys() == expect.keys(), errors
     for e in errors:
@@ -566,3 +572,17 @@ def test_hub_offline_fresh_process(tmp_path):
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert HUB_NAME in p.stdout and "network" in p.stdout
+
+
+def test_unknown_fields_are_named_once(tmp_path):
+    path = write_jsonl(
+        tmp_path / "u.jsonl",
+        [
+            {"id": "a", "prompt": "x", "evall": "false"},
+            {"id": "b", "prompt": "x", "evall": "false", "repo": "r"},
+        ],
+    )
+    tasks, errors, _ = load_tasks(str(path))
+    assert [t.id for t in tasks] == ["a", "b"]  # extra columns are common: kept, not fatal
+    (note,) = errors
+    assert note.line == 0 and "'evall' (2 records)" in note.reason and "'repo'" in note.reason

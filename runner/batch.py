@@ -27,7 +27,10 @@ from .tasks import Task
 from .workspace import populate
 
 log = logging.getLogger("concur")
-SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, not the engine
+SETUP_CONCURRENCY = 4
+# This many agents in a row failing on the engine, with no successful request in between,
+# means the engine is gone: stop the batch rather than turn every remaining task into an error.
+ENGINE_FAILURE_LIMIT = 5  # workspaces prepared at once: disk and process churn, not the engine
 
 
 @dataclass
@@ -57,6 +60,10 @@ class Totals:
     by_status: dict[str, int] = field(default_factory=dict)
     solved: int = 0
     evaluated: int = 0
+
+
+class EngineDead(RuntimeError):
+    """The engine failed for several agents in a row: the batch stops (resumable)."""
 
 
 class Batch:
@@ -103,6 +110,7 @@ class Batch:
             )
         self.totals = Totals()
         self.progress = progress
+        self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
             self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
@@ -124,20 +132,25 @@ class Batch:
             self.gate.register(t.id)
         self._ws_root.chmod(0o755)
         try:
-            async with asyncio.TaskGroup() as tg:
-                control = tg.create_task(self.controller.run())
-                ui = tg.create_task(self.progress.run(self)) if self.progress else None
-                async with asyncio.TaskGroup() as agents:
-                    for i, task in enumerate(self.todo):
-                        agents.create_task(self._run_one(i, task))
-                control.cancel()
-                if ui:
-                    ui.cancel()
+            await self._run_all()
+        except* EngineDead as group:
+            raise _first_leaf(group) from None
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
         self.controller.step()  # a last control line with the final counts
         return self.totals
+
+    async def _run_all(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            control = tg.create_task(self.controller.run())
+            ui = tg.create_task(self.progress.run(self)) if self.progress else None
+            async with asyncio.TaskGroup() as agents:
+                for i, task in enumerate(self.todo):
+                    agents.create_task(self._run_one(i, task))
+            control.cancel()
+            if ui:
+                ui.cancel()
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
@@ -169,7 +182,16 @@ class Batch:
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:
             raise  # interrupted: not recorded, so it runs again on resume
-        except (EngineError, _SetupFailed, ValueError) as e:
+        except EngineError as e:
+            self._engine_failures += 1
+            if self._engine_failures >= ENGINE_FAILURE_LIMIT:
+                self.gate.finish(task.id)
+                raise EngineDead(
+                    f"{self._engine_failures} agents in a row failed on the engine, the last "
+                    f"({task.id}) with: {e}"
+                ) from e
+            status, reason, answer = "error", f"{type(e).__name__}: {e}", None
+        except (_SetupFailed, ValueError) as e:
             status, reason, answer = "error", f"{type(e).__name__}: {e}", None
         except Exception as e:  # a bug in one agent must not end the batch
             log.exception("agent %s crashed", task.id)
@@ -273,6 +295,7 @@ class Batch:
         )
 
     def _on_request(self, key: str, gen: Generation, fresh: int) -> None:
+        self._engine_failures = 0  # the engine works
         self.controller.record(gen.prompt_tokens, gen.cached_tokens, fresh, agent=key)
         t = self.totals
         t.requests += 1
@@ -306,6 +329,13 @@ class Batch:
         if rec.get("eval"):
             t.evaluated += 1
             t.solved += bool(rec["eval"]["solved"])
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    e: BaseException = group
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
 
 
 class _SetupFailed(Exception):

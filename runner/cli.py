@@ -17,7 +17,7 @@ from tools.core import DEFAULT_TOOLS
 from tools.core import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import SandboxUnavailable, make_sandbox
 
-from .batch import Batch, BatchConfig
+from .batch import Batch, BatchConfig, EngineDead
 from .engine import Engine, SamplingParams
 from .engines.sglang import add_sglang_arguments, sglang_available, sglang_engine_from_args
 from .gate import PAUSE_RULES, RESUME_RULES
@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-steps", type=int, default=20, help="default for tasks without one")
     g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
     g.add_argument(
-        "--retry-errors",
+        "--keep-errors",
         action="store_true",
-        help="on resume, run again the tasks whose agents ended in status 'error'",
+        help="on resume, do NOT run again the tasks whose agents ended in status 'error' "
+        "(by default a failed agent is not finished work: it runs again)",
     )
 
     g = p.add_argument_group("engine")
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--eval-only: {out} holds no trajectories.jsonl; pass the run folder (--out)")
     try:
         store = RunStore(out)
+        store.bind_source(source)
     except RunFolderBusy as e:
         return fail(str(e))
     setup_logging(store.log, args.quiet)
@@ -310,10 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
 
-    if args.retry_errors:  # only now: a failed start must not have dropped their records
+    if not args.keep_errors:  # only now: a failed start must not have dropped their records
         again = store.retry_errors({t.id for t in tasks})
         if again:
-            log.info("--retry-errors: %d tasks run again: %s", len(again), ", ".join(again))
+            log.info(
+                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
+                len(again),
+                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
+            )
     todo = [t for t in tasks if t.id not in store.finished]
     log.info(
         "%d tasks from %s: %d already finished in %s, %d to run",
@@ -325,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.monotonic()
     interrupted = False
+    code = 0
     batch = Batch(
         tasks, engine, sandbox, policy, store, config, Progress(interval=args.progress_interval)
     )
@@ -333,6 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         log.warning("interrupted: finished agents are saved; run the same command to resume")
+    except EngineDead as e:
+        interrupted = True
+        log.error(
+            "%s: the batch stopped. Finished agents are saved; the agents in flight and those "
+            "that failed on the engine run again when you rerun the command",
+            e,
+        )
+        code = 1
     except BaseException:
         interrupted = True
         log.exception("the batch crashed; finished agents are saved; run again to resume")
@@ -352,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         s["hit_rate"],
         out,
     )
-    return 130 if interrupted else 0
+    return code or (130 if interrupted else 0)
 
 
 def _eval_only(tasks: list[Any], store: RunStore, sandbox: Any, config: BatchConfig) -> int:

@@ -120,6 +120,22 @@ class RunStore:
             del self.finished[t]
         return sorted(retry)
 
+    def bind_source(self, source: str) -> None:
+        """Record which dataset this run folder belongs to; refuse another one (task ids
+        like "0", "1" would otherwise be taken as finished)."""
+        meta = self.root / "run.json"
+        if meta.exists():
+            try:
+                known = json.loads(meta.read_text(encoding="utf-8")).get("source")
+            except (OSError, json.JSONDecodeError, AttributeError):
+                known = None
+            if known is not None and known != source:
+                raise RunFolderBusy(
+                    f"{self.root} holds a run of {known}, not of {source}: pass another --out"
+                )
+            return
+        write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source})
+
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}
         _append(self.trajectories, record)

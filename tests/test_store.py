@@ -35,3 +35,11 @@ def test_retry_errors_only_for_the_selected_tasks(tmp_path):
     assert set(s.finished) == {"b", "c"}
     errors = (tmp_path / "run" / "errors.jsonl").read_text()
     assert '"previous_attempt"' in errors and '"a"' in errors
+
+
+def test_a_run_folder_belongs_to_one_dataset(tmp_path):
+    s = RunStore(tmp_path / "run")
+    s.bind_source("/data/a.jsonl")
+    s.bind_source("/data/a.jsonl")  # resume: fine
+    with pytest.raises(RunFolderBusy, match=r"holds a run of /data/a\.jsonl"):
+        s.bind_source("/data/b.jsonl")

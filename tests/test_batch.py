@@ -1,0 +1,55 @@
+"""Batch-level behaviour with a test-double engine (no model, no sandbox)."""
+
+import asyncio
+
+import pytest
+
+from runner.batch import ENGINE_FAILURE_LIMIT, Batch, BatchConfig, EngineDead
+from runner.engine import CacheStats, EngineError
+from runner.engines.sim.tokenizer import SimTokenizer
+from runner.policies import NoGate
+from runner.store import RunStore
+from runner.tasks import Task
+from tools.sim import NullSandbox
+
+
+class DeadEngine:
+    """Test double of an engine whose every request fails, as a crashed server's would."""
+
+    name, model, context_limit = "dead", "none", 4096
+
+    def __init__(self):
+        self.tokenizer = SimTokenizer()
+        self.calls = 0
+
+    async def generate(self, ids, sampling, *, agent=None):
+        self.calls += 1
+        await asyncio.sleep(0)
+        raise EngineError("connection to the engine lost")
+
+    async def end_agent(self, agent):
+        return None
+
+    def cache_stats(self):
+        return CacheStats(None)
+
+    async def aclose(self):
+        return None
+
+
+def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
+    tasks = [
+        Task(f"t{i}", [{"role": "user", "content": "hi"}], tools=["submit"]) for i in range(40)
+    ]
+    store = RunStore(tmp_path / "run")
+    engine = DeadEngine()
+    batch = Batch(tasks, engine, NullSandbox(), NoGate(), store, BatchConfig(control_period=0.05))
+    with pytest.raises(EngineDead, match=f"{ENGINE_FAILURE_LIMIT} agents in a row"):
+        asyncio.run(batch.run())
+    # the first failures are recorded (one failing request is an agent's error), the rest of
+    # the batch is left unfinished for a later run, not turned into 40 error records
+    errors = [r for r in store.finished.values() if r["status"] == "error"]
+    assert len(errors) == ENGINE_FAILURE_LIMIT - 1
+    assert all("connection to the engine lost" in r["reason"] for r in errors)
+    # on the next run they are retried by default
+    assert len(store.retry_errors({t.id for t in tasks})) == ENGINE_FAILURE_LIMIT - 1

@@ -5,6 +5,7 @@ agent becomes one line on disk. One agent's failure is a record, never the batch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -175,7 +176,7 @@ class Batch:
                 gate=self.gate,
                 tools=tools,
                 tool_ctx=ctx,
-                sampling=self.config.sampling,
+                sampling=_sampling_for(self.config.sampling, task),
                 max_steps=task.max_steps or self.config.max_steps,
                 on_request=lambda gen, fresh, key=task.id: self._on_request(key, gen, fresh),
             )
@@ -329,6 +330,19 @@ class Batch:
         if rec.get("eval"):
             t.evaluated += 1
             t.solved += bool(rec["eval"]["solved"])
+
+
+def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
+    """The run's sampling parameters with the task's own `sampling` overrides."""
+    if not task.sampling:
+        return base
+    over = dict(task.sampling)
+    for k in ("max_new_tokens", "seed"):
+        if k in over:
+            over[k] = int(over[k])
+    if "stop" in over:  # the tool-call stop string stays: the loop depends on it
+        over["stop"] = tuple(dict.fromkeys([*base.stop, *over["stop"]]))
+    return dataclasses.replace(base, **over)
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -30,6 +30,7 @@ KNOWN_FIELDS = {
     "workspace",
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
+SAMPLING_FIELDS = {"temperature", "top_p", "max_new_tokens", "stop", "seed"}
 NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
 
 
@@ -49,6 +50,7 @@ class Task:
     tools: list[str] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
     workspace: str | None = None  # absolute path of a directory or archive to start from
+    sampling: dict[str, Any] = field(default_factory=dict)  # overrides of the run's sampling
 
 
 @dataclass
@@ -279,7 +281,21 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ):
         raise ValueError('"replay" must be a list of assistant message strings')
     workspace = _workspace_source(rec.get("workspace"), base)
-    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace)
+    sampling = rec.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise ValueError('"sampling" must be an object')
+    bad = sorted(set(sampling) - SAMPLING_FIELDS)
+    if bad:
+        raise ValueError(f'"sampling" has unknown keys {bad}; known: {sorted(SAMPLING_FIELDS)}')
+    for k, v in sampling.items():
+        ok = (
+            (isinstance(v, list) and all(isinstance(x, str) for x in v))
+            if k == "stop"
+            else (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0)
+        )
+        if not ok:
+            raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
+    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling)
 
 
 def _workspace_source(value: Any, base: Path | None) -> str | None:

@@ -53,3 +53,26 @@ def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
     assert all("connection to the engine lost" in r["reason"] for r in errors)
     # on the next run they are retried by default
     assert len(store.retry_errors({t.id for t in tasks})) == ENGINE_FAILURE_LIMIT - 1
+
+
+def test_per_task_sampling_overrides_the_run():
+    from runner.batch import _sampling_for
+    from runner.engine import SamplingParams
+    from runner.tasks import validate
+
+    base = SamplingParams(temperature=0.6, max_new_tokens=256, stop=("</tool_call>",))
+    t = validate(
+        {
+            "id": "a",
+            "prompt": "x",
+            "sampling": {"temperature": 0, "max_new_tokens": 64.0, "stop": ["END"]},
+        }
+    )
+    sp = _sampling_for(base, t)
+    assert (sp.temperature, sp.max_new_tokens, sp.top_p) == (0, 64, base.top_p)
+    assert sp.stop == ("</tool_call>", "END")  # the tool-call stop string is kept
+    assert _sampling_for(base, validate({"id": "b", "prompt": "x"})) is base
+    with pytest.raises(ValueError, match="unknown keys"):
+        validate({"id": "c", "prompt": "x", "sampling": {"temp": 1}})
+    with pytest.raises(ValueError, match="bad value"):
+        validate({"id": "c", "prompt": "x", "sampling": {"top_p": -1}})

@@ -801,14 +801,18 @@ class SGLangEngine:
 
 def add_sglang_arguments(group: Any) -> None:
     """The SGLang flags, for an argparse group (cli.py's "engine" group)."""
-    group.add_argument("--tp-size", type=int, help="SGLang tensor parallel size")
+    group.add_argument("--tp-size", "--tp", type=int, help="SGLang tensor parallel size")
     group.add_argument(
         "--dp-size",
+        "--dp",
         type=int,
         help="SGLang data parallel size; each agent stays on one DP rank for its life",
     )
     group.add_argument(
-        "--mem-fraction-static", type=float, help="SGLang: GPU memory fraction for weights + KV"
+        "--mem-fraction-static",
+        "--mem-fraction",
+        type=float,
+        help="SGLang: GPU memory fraction for weights + KV",
     )
     group.add_argument(
         "--engine-arg",

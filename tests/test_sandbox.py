@@ -424,3 +424,17 @@ def test_move_tree_keeps_owner_and_never_follows_links(base: Path, tmp_path: Pat
         assert os.readlink(dst / "link") == "/etc/shadow"  # a link, still, not a copy of it
     finally:
         remove_tree(other)
+
+
+def test_agent_memory_is_bounded_shared_mappings_included(sb: BwrapSandbox, base: Path) -> None:
+    # RLIMIT_DATA ignores MAP_SHARED: only the agent's memory cgroup stops this
+    if not (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()):
+        pytest.fail("this machine has no cgroup v1 memory controller; the test needs one")
+    code = (
+        "import mmap\nm = mmap.mmap(-1, 1 << 30)\n"
+        "for i in range(0, 1 << 30, 4096): m[i] = 1\nprint('survived')\n"
+    )
+    r = run(sb, base, UID + 44, "python3 -; echo rc=$?", stdin=code, memory_bytes=256 * 2**20)
+    assert "survived" not in r.output and "rc=137" in r.output
+    r = run(sb, base, UID + 44, "echo fine")  # the agent goes on after the kill
+    assert r.output.strip() == "fine"

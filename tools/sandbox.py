@@ -10,6 +10,7 @@ and /dev/shm. No `preexec_fn`/`user=`: plain fork+exec of small wrappers.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import glob
 import json
@@ -72,11 +73,22 @@ class Limits:
     output_bytes: int = 32 * 1024  # cap on captured output; the rest is drained and discarded
     tmp_bytes: int = 64 * 2**20  # size of the private tmpfs /tmp (and of /dev/shm)
     workspace_bytes: int = 256 * 2**20  # bound on total workspace size, checked after each command
+    # all of one agent's processes together, shared mappings and tmpfs pages included (a
+    # memory cgroup per agent uid, where the host has a writable memory controller)
+    memory_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"Limits.timeout_s must be > 0, got {self.timeout_s!r}")
-        for name in ("data_bytes", "cpu_s", "nproc", "fsize_bytes", "nofile", "tmp_bytes"):
+        for name in (
+            "data_bytes",
+            "cpu_s",
+            "nproc",
+            "fsize_bytes",
+            "nofile",
+            "tmp_bytes",
+            "memory_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.output_bytes < 0 or self.workspace_bytes < 0:
@@ -678,6 +690,81 @@ async def _watch(
         interval = max(_WATCH_MIN_S, 10 * (time.monotonic() - t0))
 
 
+_CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")  # the cgroup v1 memory controller
+
+
+class _MemoryCgroups:
+    """One memory cgroup per agent uid: bounds the agent's processes together, shared
+    mappings and tmpfs pages included, which rlimits cannot (RLIMIT_DATA ignores
+    MAP_SHARED). The command places itself in it before exec, so its whole tree is inside.
+    Without a writable memory controller (cgroup v1 here) this is off, said once."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        try:
+            if (_CGROUP_MEMORY / "memory.limit_in_bytes").exists() and os.access(
+                _CGROUP_MEMORY, os.W_OK
+            ):
+                _remove_stale_cgroups()
+                root = _CGROUP_MEMORY / f"concur-{os.getpid()}"
+                root.mkdir(exist_ok=True)
+                self.root = root
+                atexit.register(self.close)
+        except OSError as e:
+            log.warning("no memory cgroups (%s): agents' total memory is not bounded", e)
+        if self.root is None:
+            log.warning(
+                "no writable cgroup v1 memory controller at %s: each agent's total memory "
+                "(shared mappings included) is not bounded, only per-process data size",
+                _CGROUP_MEMORY,
+            )
+
+    def procs_file(self, uid: int, limit: int) -> str | None:
+        if self.root is None:
+            return None
+        d = self.root / f"u{uid}"
+        if not d.exists():
+            d.mkdir(parents=True)
+            (d / "memory.limit_in_bytes").write_text(str(limit))
+            swap = d / "memory.memsw.limit_in_bytes"
+            if swap.exists():  # no swap beyond the limit either
+                swap.write_text(str(limit))
+        return str(d / "cgroup.procs")
+
+    def close(self) -> None:
+        if self.root is None:
+            return
+        for d in self.root.glob("u*"):
+            with contextlib.suppress(OSError):  # a group still in use stays
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+
+def _remove_stale_cgroups() -> None:
+    """Groups left by runner processes that are gone (killed before they could clean up)."""
+    for d in _CGROUP_MEMORY.glob("concur-*"):
+        pid = d.name.removeprefix("concur-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            for sub in d.glob("u*"):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+_CGROUPS: _MemoryCgroups | None = None  # one per process, made on first use
+
+
+def _cgroup_prefix(uid: int, limits: Limits) -> list[str]:
+    """argv that puts the command in its agent's memory cgroup, then execs the rest."""
+    global _CGROUPS
+    if _CGROUPS is None:
+        _CGROUPS = _MemoryCgroups()
+    procs = _CGROUPS.procs_file(uid, limits.memory_bytes)
+    return [] if procs is None else ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs]
+
+
 class Sandbox:
     """Runs `bash -c command` for one agent (one uid) in its workspace. Subclasses say how."""
 
@@ -822,12 +909,15 @@ class Sandbox:
         )
 
     async def aclose(self) -> None:
-        """Kill every command of this sandbox still running and wait for their teardown."""
+        """Kill every command of this sandbox still running and wait for their teardown;
+        remove the agents' (now empty) memory cgroups."""
         runs = list(self._runs)
         for r in runs:
             r.kill()
         if runs:
             await asyncio.gather(*(r.ensure_finish() for r in runs), return_exceptions=True)
+        if _CGROUPS is not None:
+            _CGROUPS.close()
 
 
 class BwrapSandbox(Sandbox):
@@ -846,6 +936,7 @@ class BwrapSandbox(Sandbox):
         self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
     ) -> tuple[list[str], str, dict[str, str]]:
         argv = [
+            *_cgroup_prefix(uid, limits),
             *_prlimit_argv(self._prlimit, limits),
             *_setpriv_argv(self._setpriv, uid),
             self._bwrap,
@@ -883,6 +974,7 @@ class UnsandboxedSandbox(Sandbox):
         self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
     ) -> tuple[list[str], str, dict[str, str]]:
         argv = [
+            *_cgroup_prefix(uid, limits),
             *_prlimit_argv(self._prlimit, limits),
             *_setpriv_argv(self._setpriv, uid),
             BASH,

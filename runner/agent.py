@@ -9,12 +9,13 @@ prefix cache can serve it. Endings are exceptions carrying a status; the loop ha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.core import Observation, Tool, ToolContext, cap, check_args, schema
+from tools.core import Observation, Tool, ToolContext, call_schema, cap, check_args, schema
 
 from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
 from .gate import Gate
@@ -97,6 +98,7 @@ class Agent:
     messages: list[dict[str, Any]] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     seen: int = 0  # how many of self.ids the engine has already had (as prompt or output)
+    constrain_tool_calls: bool = False  # ask the engine for exactly one well-formed call
 
     async def run(self) -> tuple[str, str, str | None]:
         """Run to the end. -> (status, reason, final answer). Engine failures propagate."""
@@ -118,6 +120,10 @@ class Agent:
             listing = "\n".join(json.dumps(s["function"]) for s in schemas)
             self.messages[0]["content"] += TOOLS_IN_PROMPT.format(schemas=listing)
         self.ids = tok.encode(tok.render(self.messages, schemas, add_generation_prompt=True))
+        if self.constrain_tool_calls:
+            self.sampling = dataclasses.replace(
+                self.sampling, tool_call_schema=json.dumps(call_schema(self.tools))
+            )
 
     async def step(self, n: int) -> None:
         step = Step(n)

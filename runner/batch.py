@@ -49,6 +49,7 @@ class BatchConfig:
     workspace_root: Path | None = None
     limits: Limits = field(default_factory=Limits)
     eval_timeout: float = 300.0
+    constrain_tool_calls: bool = False  # engines that can: every reply is one valid call
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Batch:
                 sampling=_sampling_for(self.config.sampling, task),
                 max_steps=task.max_steps or self.config.max_steps,
                 on_request=lambda gen, fresh, key=task.id: self._on_request(key, gen, fresh),
+                constrain_tool_calls=self.config.constrain_tool_calls,
             )
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:

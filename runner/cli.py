@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--constrain-tool-calls",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="make every reply exactly one well-formed tool call (a grammar over the tools' "
+        "schemas). auto: on for llama.cpp (small models rarely write a valid call otherwise)",
+    )
     add_sglang_arguments(g)
 
     g = p.add_argument_group("simulation (--engine sim)")
@@ -329,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         out,
         len(todo),
     )
+    config.constrain_tool_calls = args.constrain_tool_calls == "on" or (
+        args.constrain_tool_calls == "auto" and engine.name == "llama.cpp"
+    )
+    if config.constrain_tool_calls and engine.name != "llama.cpp":
+        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
     t0 = time.monotonic()
     interrupted = False
     code = 0

@@ -18,6 +18,9 @@ class SamplingParams:
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()
     seed: int = 0
+    # JSON schema (as text) of the object inside <tool_call>...</tool_call>: engines that can
+    # constrain decoding make the reply exactly one such call; others ignore it.
+    tool_call_schema: str | None = None
 
 
 @dataclass(frozen=True)

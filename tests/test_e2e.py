@@ -35,6 +35,8 @@ def test_batch_runs_and_writes_everything(tmp_path, needs_bwrap):
         assert t["messages"][0]["role"] == "system" and t["messages"][1]["role"] == "user"
         s = t["step_log"][0]
         assert s["prompt_tokens"] > 100 and s["completion_tokens"] > 0 and s["gen_seconds"] > 0
+        # constrained decoding (auto on llama.cpp): the real model's replies are real calls
+        assert s["tool"] in {"bash", "python", "str_replace_editor", "submit"}, s
         # the buggy project is untouched or not fixed by a 135M model: the eval ran for real
         assert t["eval"]["command"].startswith("python3 -m pytest")
         assert t["eval"]["exit_code"] is not None

@@ -200,3 +200,13 @@ def test_first_call_wins_even_when_it_is_broken():
 
 def test_parse_error_is_a_value_error():
     assert issubclass(ParseError, ValueError)
+
+
+def test_call_schema_covers_each_tool_and_its_arguments():
+    from tools.core import call_schema, get_tools
+
+    tools = get_tools(("bash", "submit"))
+    alts = call_schema(tools)["oneOf"]
+    assert [a["properties"]["name"]["const"] for a in alts] == ["bash", "submit"]
+    assert alts[0]["properties"]["arguments"] == tools["bash"].parameters
+    assert all(a["required"] == ["name", "arguments"] for a in alts)

@@ -56,6 +56,21 @@ def schema(tool: Tool) -> dict[str, Any]:
     }
 
 
+def call_schema(tools: dict[str, Tool]) -> dict[str, Any]:
+    """JSON schema of one tool call {"name": ..., "arguments": {...}} to any of `tools`:
+    what an engine that constrains decoding lets the model write."""
+    return {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "required": ["name", "arguments"],
+            }
+            for t in tools.values()
+        ]
+    }
+
+
 def cap(text: str, limit: int = OBSERVATION_CAP) -> str:
     if len(text) <= limit:
         return text

@@ -137,6 +137,7 @@ class LlamaCppEngine:
         self._tok = LlamaTokenizer(self._llm)
         self.cache = PrefixStateCache(cache_bytes)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        self._grammars: dict[str, Any] = {}  # tool-call schema -> compiled GBNF grammar
         self._closing = threading.Event()
         self.requests = 0
 
@@ -203,6 +204,7 @@ class LlamaCppEngine:
         # Like SGLang, at least the last prompt token is recomputed (its logits are needed).
         cached = min(live, len(prompt) - 1)
         llm.set_seed(sp.seed)
+        grammar = self._grammar(sp.tool_call_schema) if sp.tool_call_schema else None
         eos = self._tok.eos_ids
         out: list[int] = []
         finish = "length"
@@ -217,6 +219,7 @@ class LlamaCppEngine:
                 min_p=0.0,
                 repeat_penalty=1.0,
                 reset=True,
+                grammar=grammar,
             ):
                 if self._closing.is_set():
                     raise EngineError("engine shut down during generation")
@@ -250,6 +253,18 @@ class LlamaCppEngine:
             seconds=time.perf_counter() - t0,
             stopped_on_eos=stopped_on_eos,
         )
+
+    def _grammar(self, schema: str) -> Any:
+        """The reply as exactly `<tool_call>{...}</tool_call>` with the object matching the
+        schema: llama.cpp's GBNF grammar from the JSON schema, wrapped in the tags."""
+        g = self._grammars.get(schema)
+        if g is None:
+            from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
+
+            gbnf = json_schema_to_gbnf(schema).replace("root ::=", "call ::=", 1)
+            gbnf += '\nroot ::= "<tool_call>" call "</tool_call>"\n'
+            g = self._grammars[schema] = LlamaGrammar.from_string(gbnf, verbose=False)
+        return g
 
     def _save(self) -> None:
         llm, lc = self._llm, self._lc

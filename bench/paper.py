@@ -130,7 +130,7 @@ class Run:
     rules: tuple[str, str] = ("newest", "oldest")
 
 
-def plan(only: str | None, quick: bool, seed: int) -> list[Run]:
+def plan(only: str | None, quick: bool) -> list[Run]:
     cfgs = [c for c in TABLE1 if only in (None, c.key)]
     runs = []
     for c in cfgs:
@@ -538,7 +538,7 @@ def main() -> None:
         (RESULTS / "paper.md").write_text(report(records, wall, args.seed))
         print(f"rewrote {RESULTS / 'paper.md'}")
         return
-    runs = plan(args.only, args.quick, args.seed)
+    runs = plan(args.only, args.quick)
     print(f"{len(runs)} simulated runs, {args.jobs} at a time")
     t0 = time.perf_counter()
     with mp.get_context("fork").Pool(args.jobs) as pool:

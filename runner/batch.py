@@ -57,7 +57,6 @@ class Totals:
     prompt: int = 0
     cached: int = 0
     generated: int = 0
-    steps: int = 0
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
     solved: int = 0
@@ -187,8 +186,7 @@ class Batch:
             raise  # interrupted: not recorded, so it runs again on resume
         except EngineError as e:
             self._engine_failures += 1
-            if self._engine_failures >= ENGINE_FAILURE_LIMIT:
-                self.gate.finish(task.id)
+            if self._engine_failures >= ENGINE_FAILURE_LIMIT:  # `finally` frees the slot
                 raise EngineDead(
                     f"{self._engine_failures} agents in a row failed on the engine, the last "
                     f"({task.id}) with: {e}"
@@ -328,7 +326,6 @@ class Batch:
     def _count(self, rec: dict[str, Any]) -> None:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
-        t.steps += rec.get("steps", 0)
         if rec.get("eval"):
             t.evaluated += 1
             t.solved += bool(rec["eval"]["solved"])

@@ -69,8 +69,6 @@ class _Agent:
 class GateCounters:
     pauses: int = 0
     resumes: int = 0
-    admissions: int = 0
-    max_holders: int = 0
     events: list[tuple[str, str]] = field(default_factory=list)  # (what, agent) since drain
 
 
@@ -315,9 +313,7 @@ class Gate:
             if a is None:
                 break
             self._grant(a)
-        h = self.holders()
-        self.peak_in_use = max(self.peak_in_use, h)
-        self.counters.max_holders = max(self.counters.max_holders, h)
+        self.peak_in_use = max(self.peak_in_use, self.holders())
 
     def _grant(self, a: _Agent) -> None:
         now = self._clock()
@@ -330,7 +326,6 @@ class Gate:
             a.pending_seconds += now - (a.wait_since or now)
             if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
-            self.counters.admissions += 1
             a.ever_admitted = True
         a.wait_since = None
         self._move(a, "active")

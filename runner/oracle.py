@@ -24,7 +24,7 @@ CHUNK = 8192  # SGLang's default chunked_prefill_size
 
 def lower_bound(workload: Workload, deployment: str, **deployment_overrides: Any) -> dict:
     cost = CostModel(sim_deployment(deployment, **deployment_overrides))
-    fixed = cost._prefill_fixed  # per prefill iteration: paid once per full chunk here
+    fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
     prefill_body = 0.0
     fresh_tokens = 0
     gen_tokens = 0

@@ -31,7 +31,6 @@ def snapshot(batch: Batch, t0: float) -> dict[str, Any]:
         "pending": c["pending"],
         "window": batch.gate.window,
         "steps": tot.requests,  # every step is one generation request
-        "requests": tot.requests,
         "tok_s": rate,
         "hit": tot.cached / tot.prompt if tot.prompt else None,
         "u": last.get("u"),

@@ -139,7 +139,6 @@ class LlamaCppEngine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
         self._grammars: dict[str, Any] = {}  # tool-call schema -> compiled GBNF grammar
         self._closing = threading.Event()
-        self.requests = 0
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -242,7 +241,6 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp generation failed: {type(e).__name__}: {e}") from e
         self._save()
         visible = out[:-1] if stopped_on_eos else out
-        self.requests += 1
         return Generation(
             output_ids=out,
             text=self._tok.decode(visible),

@@ -224,6 +224,11 @@ class CostModel:
             one += 2.0 * (n - 1) / n * (size / g) / self._ib
         return 2 * m.layers * one
 
+    @property
+    def prefill_fixed(self) -> float:
+        """Seconds every prefill iteration costs whatever its size (launch overheads)."""
+        return self._prefill_fixed
+
     def host_load(self, tokens: int) -> float:
         """Reloading KV from host memory (HiCache): every GPU copies its share over its own
         PCIe link, in parallel."""

@@ -6,7 +6,14 @@ No schedule can finish sooner than either of:
   decoded in iterations as large as the whole batch (weights read once per iteration, the
   KV of each token's context read once);
 - the longest agent's own serial chain: its prefills and its decodes at batch 1, plus its
-  tools, one after another.
+  tools, one after another;
+- the KV pool's memory-time: every agent's context must be resident while it generates
+  (at least its batch-1 decode time) and, unless it is dropped and later recomputed, while
+  its tool runs; the pool holds `capacity` tokens at a time, so time x capacity must cover
+  the token-seconds kept. Dropping trades memory for compute: each dropped token saves its
+  tool's seconds of residency and costs its linear prefill FLOPs (or, with a host tier,
+  its PCIe reload). The cheapest trade drops the longest tools' contexts first; the bound is
+  the time where the engine's work plus those recomputes equals the memory-time left.
 Template tokens the runner adds around each turn are left out, which only lowers the bound.
 """
 
@@ -22,14 +29,21 @@ from .workload import Workload
 CHUNK = 8192  # SGLang's default chunked_prefill_size
 
 
-def lower_bound(workload: Workload, deployment: str, **deployment_overrides: Any) -> dict:
-    cost = CostModel(sim_deployment(deployment, **deployment_overrides))
+def lower_bound(
+    workload: Workload, deployment: str, host_tier: bool = False, **deployment_overrides: Any
+) -> dict:
+    """host_tier: evicted KV can be reloaded from host memory (HiCache) instead of recomputed;
+    the host tier's size is not a constraint here, which only lowers the bound."""
+    dep = sim_deployment(deployment, **deployment_overrides)
+    cost = CostModel(dep)
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
     prefill_body = 0.0
     fresh_tokens = 0
     gen_tokens = 0
     ctx_reads = 0  # sum over generated tokens of the context they attend to
     chains = []
+    held = 0.0  # token-seconds every agent's context must stay resident while it generates
+    tool_items: list[tuple[float, int]] = []  # (tool seconds, context tokens held meanwhile)
     sys_tokens = workload.system_tokens
     if sys_tokens:
         prefill_body += cost.prefill([(0, sys_tokens)]).seconds - fixed
@@ -49,10 +63,13 @@ def lower_bound(workload: Workload, deployment: str, **deployment_overrides: Any
             ctx_reads += reads
             gen_tokens += s.gen_tokens
             # decode(1, c) is convex in c: gen x its value at the mean context is a lower bound
-            chain += s.gen_tokens * cost.decode(1, ctx + (s.gen_tokens + 1) // 2)
+            gen_seconds = s.gen_tokens * cost.decode(1, ctx + (s.gen_tokens + 1) // 2)
+            chain += gen_seconds
+            held += (ctx - sys_tokens) * gen_seconds  # the shared prompt is counted once below
             ctx += s.gen_tokens
             if i < len(a.steps) - 1:
                 chain += s.tool_seconds
+                tool_items.append((s.tool_seconds, ctx - sys_tokens))
                 segments.append((ctx, ctx + s.obs_tokens))
                 ctx += s.obs_tokens
         chains.append(chain)
@@ -62,10 +79,40 @@ def lower_bound(workload: Workload, deployment: str, **deployment_overrides: Any
     prefill = prefill_body + math.ceil(fresh_tokens / CHUNK) * fixed
     engine = prefill + decode
     chain = max(chains, default=0.0)
+    # a dropped token costs its reload (host tier) or the floor of its recompute
+    per_token = cost.host_load(1) if host_tier else cost.prefill_linear_per_token
+    memory = _memory_bound(engine, held, tool_items, dep.pool_tokens - sys_tokens, per_token)
     return {
-        "bound_seconds": round(max(engine, chain), 3),
+        "bound_seconds": round(max(memory, chain), 3),
         "engine_bound_seconds": round(engine, 3),
+        "memory_bound_seconds": round(memory, 3),
         "prefill_seconds": round(prefill, 3),
         "decode_seconds": round(decode, 3),
         "longest_chain_seconds": round(chain, 3),
     }
+
+
+def _memory_bound(
+    engine: float,
+    held: float,
+    tool_items: list[tuple[float, int]],
+    capacity: int,
+    per_token: float,
+) -> float:
+    """min over drops of max(engine + drop cost, memory-time left / capacity). Dropping a
+    token held through a t-second tool saves t token-seconds for per_token seconds of work,
+    so the longest tools go first (a fractional knapsack: greedy is optimal)."""
+    if capacity <= 0:
+        return math.inf
+    memory = held + sum(t * n for t, n in tool_items)
+    spent = 0.0
+    for t, n in sorted(tool_items, key=lambda item: -item[0]):
+        if engine + spent >= memory / capacity:
+            break
+        # drop x of these n tokens: engine + spent + x*per_token == (memory - x*t) / capacity
+        x = (memory / capacity - engine - spent) / (per_token + t / capacity)
+        if x <= n:
+            return engine + spent + x * per_token
+        spent += n * per_token
+        memory -= n * t
+    return max(engine + spent, memory / capacity)

@@ -229,6 +229,12 @@ class CostModel:
         """Seconds every prefill iteration costs whatever its size (launch overheads)."""
         return self._prefill_fixed
 
+    @property
+    def prefill_linear_per_token(self) -> float:
+        """Seconds of the linear layers' FLOPs per prefilled token at full efficiency: a
+        floor on recomputing one token (attention and overheads only add to it)."""
+        return self._lin_flops / self._lin_rate
+
     def host_load(self, tokens: int) -> float:
         """Reloading KV from host memory (HiCache): every GPU copies its share over its own
         PCIe link, in parallel."""

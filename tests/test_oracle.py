@@ -1,0 +1,64 @@
+"""The oracle lower bound: hand-computed memory trades, and never above a simulated run."""
+
+import pytest
+
+from runner.oracle import _memory_bound, lower_bound
+from runner.policies import make_policy
+from runner.simulate import simulate
+from runner.workload import synthetic
+
+
+def test_memory_bound_without_pressure_is_the_engine_bound():
+    # 100 tokens held through a 5 s tool fit a 100-token pool in 5 s < 10 s of engine work
+    assert _memory_bound(10.0, 0.0, [(5.0, 100)], 100, 0.01) == 10.0
+
+
+def test_memory_bound_drops_part_of_a_context():
+    # 1000 token-s on a 50-token pool = 20 s. Dropping x tokens costs 0.01 x s and saves
+    # 10 x token-s: 1 + 0.01 x = (1000 - 10 x) / 50  ->  x = 19 / 0.21
+    got = _memory_bound(1.0, 0.0, [(10.0, 100)], 50, 0.01)
+    assert got == pytest.approx(1.0 + 0.01 * 19 / 0.21)
+
+
+def test_memory_bound_drops_the_longest_tools_first():
+    # 50 tokens through a 10 s tool go first (all of them: 0.5 s), then 100/3 x 1 s ones
+    got = _memory_bound(1.0, 0.0, [(1.0, 100), (10.0, 50)], 50, 0.01)
+    assert got == pytest.approx(1.5 + 0.01 * (2.0 - 1.5) / 0.03)
+
+
+def test_memory_bound_counts_generation_residency():
+    # nothing to drop: 400 token-s held while generating, on a 100-token pool
+    assert _memory_bound(1.0, 400.0, [], 100, 0.01) == 4.0
+
+
+PRESSURED = dict(final=(3000, 6000), gen=(30, 60))
+
+
+@pytest.mark.parametrize("policy", ["none", "aimd", "agent-cap:2"])
+def test_bound_never_exceeds_a_simulated_run(tmp_path, policy):
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    opts = {"max_total_tokens": 9000}  # the 8 agents' final contexts do not fit at once
+    b = lower_bound(w, "tiny-cpu", **opts)
+    assert b["memory_bound_seconds"] >= b["engine_bound_seconds"]
+    assert b["bound_seconds"] == max(b["memory_bound_seconds"], b["longest_chain_seconds"])
+    r = simulate(w, "tiny-cpu", make_policy(policy), tmp_path / "r", engine_options=opts)
+    assert r.sim_seconds >= b["bound_seconds"]
+    # a host tier can only lower the bound; the hicache run still respects its own
+    bh = lower_bound(w, "tiny-cpu", host_tier=True, **opts)
+    assert bh["bound_seconds"] <= b["bound_seconds"]
+    rh = simulate(
+        w,
+        "tiny-cpu",
+        make_policy(policy),
+        tmp_path / "h",
+        engine_options={**opts, "hicache_ratio": 2.0},
+    )
+    assert rh.sim_seconds >= bh["bound_seconds"]
+
+
+def test_memory_term_binds_on_a_small_pool():
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    roomy = lower_bound(w, "tiny-cpu", max_total_tokens=100_000)
+    tight = lower_bound(w, "tiny-cpu", max_total_tokens=4000)
+    assert roomy["memory_bound_seconds"] == roomy["engine_bound_seconds"]
+    assert tight["memory_bound_seconds"] > tight["engine_bound_seconds"]

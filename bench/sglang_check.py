@@ -7,7 +7,9 @@ tools: N agents chat concurrently for S steps, each turn appending the engine's 
 and a synthetic observation (token in, token out, as the agent loop does), so every prompt
 extends the previous one. It prints and saves U (sampled cache_stats().usage, per DP rank),
 H (cached / prompt tokens, per step), the reuse of each agent's previous prompt+reply on
-steps >= 2, and throughput. Exit status: 0 all checks passed, 1 a check failed, 2 SGLang or
+steps >= 2, and throughput; then a few requests with constrained tool calls (the runner's
+tool-call schema as an xgrammar structural tag) must each reply with one parseable call.
+Exit status: 0 all checks passed, 1 a check failed, 2 SGLang or
 a CUDA GPU is not available here (nothing was run).
 """
 
@@ -32,6 +34,8 @@ from runner.engines.sglang import (  # noqa: E402
     sglang_available,
 )
 from runner.template import turn_delta  # noqa: E402
+from runner.toolcall import ParseError, parse_tool_call  # noqa: E402
+from tools.core import call_schema, get_tools, schema  # noqa: E402
 
 SYSTEM = (
     "You are a careful software engineering agent working in a repository. "
@@ -117,13 +121,50 @@ async def main_async(engine: SGLangEngine, args: argparse.Namespace) -> dict[str
         per_agent = await asyncio.gather(
             *(run_agent(engine, i, args.steps, args.obs_chars, sp) for i in range(args.agents))
         )
-    finally:
         wall = time.monotonic() - t0
+        sampler.cancel()
+        constrained = await constrained_calls(engine, args.constrained)
+    finally:
         sampler.cancel()
         final = engine.cache_stats()
         await engine.aclose()  # no tool processes here: shutdown() may kill the tree
     recs = [r for agent in per_agent for r in agent]
-    return summarize(recs, samples, final.extra, wall, args)
+    report = summarize(recs, samples, final.extra, wall, args)
+    report["constrained_calls"] = constrained
+    ok = all(c["parsed"] for c in constrained)
+    report["checks"]["constrained_replies_are_one_valid_call"] = ok
+    report["ok"] = report["ok"] and ok
+    return report
+
+
+async def constrained_calls(engine: SGLangEngine, n: int) -> list[dict[str, Any]]:
+    """n requests under the runner's tool-call constraint; each reply must parse as exactly
+    one call of a known tool (temperature 1.0, so the grammar, not the model, does it)."""
+    tools = get_tools(["bash", "submit"])
+    tok = engine.tokenizer
+    sp = SamplingParams(
+        temperature=1.0,
+        max_new_tokens=256,
+        seed=0,
+        tool_call_schema=json.dumps(call_schema(tools)),
+    )
+    out = []
+    for i in range(n):
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Request {i}: list the repository's files."},
+        ]
+        text = tok.render(messages, [schema(t) for t in tools.values()], True)
+        gen = await engine.generate(tok.encode(text), sp)
+        try:
+            call = parse_tool_call(gen.text, set(tools))
+            parsed, detail = True, call.name
+        except ParseError as e:
+            parsed, detail = False, str(e)
+        out.append(
+            {"text": gen.text, "finish": gen.finish_reason, "parsed": parsed, "call": detail}
+        )
+    return out
 
 
 def summarize(
@@ -209,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", action="store_true", help="one session per agent")
     p.add_argument("--priority", help="'fifo' or an int")
     p.add_argument("--min-reuse", type=float, default=0.9)
+    p.add_argument("--constrained", type=int, default=4, help="constrained tool-call requests")
     p.add_argument("--sample-period", type=float, default=0.25)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sglang_check.json")
     args = p.parse_args(argv)

@@ -30,6 +30,17 @@ log = logging.getLogger("concur")
 OUTPUTS = Path(__file__).resolve().parent.parent / "outputs"
 
 
+def constrain_tool_calls(choice: str, engine: object) -> bool:
+    """--constrain-tool-calls on|off|auto for this engine. auto: on where small models need
+    it (llama.cpp); off on SGLang, where a forced call would also forbid a reasoning model's
+    <think> block before it."""
+    can = bool(getattr(engine, "constrains_tool_calls", False))
+    name = getattr(engine, "name", "?")
+    if choice == "on" and not can:
+        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", name)
+    return can and (choice == "on" or (choice == "auto" and name == "llama.cpp"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
@@ -92,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="make every reply exactly one well-formed tool call (a grammar over the tools' "
-        "schemas). auto: on for llama.cpp (small models rarely write a valid call otherwise)",
+        "schemas; llama.cpp: GBNF, sglang: an xgrammar structural tag). auto: on for "
+        "llama.cpp (small models rarely write a valid call otherwise), off for sglang (it "
+        "would also forbid a reasoning model's <think> block)",
     )
     add_sglang_arguments(g)
 
@@ -336,11 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         out,
         len(todo),
     )
-    config.constrain_tool_calls = args.constrain_tool_calls == "on" or (
-        args.constrain_tool_calls == "auto" and engine.name == "llama.cpp"
-    )
-    if config.constrain_tool_calls and engine.name != "llama.cpp":
-        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
+    config.constrain_tool_calls = constrain_tool_calls(args.constrain_tool_calls, engine)
     t0 = time.monotonic()
     interrupted = False
     code = 0

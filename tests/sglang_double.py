@@ -293,6 +293,14 @@ class FakeSGLangEngine:
         self.calls.append(args)
         self.events.append(("generate", session_id))
         sp = dict(sampling_params or {})
+        # SamplingParams.verify: one decoding constraint per request
+        constraints = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if sp.get(k)]
+        if len(constraints) > 1:
+            raise ValueError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
+        if sp.get("structural_tag"):  # xgrammar compiles the "format" form; others fail
+            tag = json.loads(sp["structural_tag"])
+            if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+                raise ValueError(f"Hit invalid structural_tag: {sp['structural_tag']!r}")
         tm = self.tokenizer_manager
         ids = list(input_ids or [])
         dp = self.server_args.dp_size

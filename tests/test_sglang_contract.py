@@ -223,6 +223,63 @@ def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
     assert call["stream"] is False and call["prompt"] is None
 
 
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"const": "submit"}, "arguments": {"type": "object"}},
+    "required": ["name", "arguments"],
+}
+
+
+def test_tool_call_schema_becomes_one_structural_tag(monkeypatch):
+    eng, fk = make(monkeypatch)
+    sp = SamplingParams(max_new_tokens=32, tool_call_schema=json.dumps(CALL_SCHEMA))
+    run(eng.generate([200, 201], sp))
+    run(eng.generate([200, 201, 202], sp))
+    first, second = (c["sampling_params"] for c in fk.calls)
+    assert json.loads(first["structural_tag"]) == {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<tool_call>",
+            "content": {"type": "json_schema", "json_schema": CALL_SCHEMA},
+            "end": "</tool_call>",
+        },
+    }
+    assert first["structural_tag"] is second["structural_tag"]  # built once per schema
+    assert eng.constrains_tool_calls
+    # without a schema nothing constrains the reply
+    run(eng.generate([200], SP))
+    assert "structural_tag" not in fk.calls[-1]["sampling_params"]
+
+
+def test_a_second_constraint_from_sampling_args_is_refused(monkeypatch):
+    eng, fk = make(monkeypatch, sampling_extra={"regex": "[a-z]+"})
+    sp = SamplingParams(tool_call_schema=json.dumps(CALL_SCHEMA))
+    with pytest.raises(EngineError, match="--sampling-arg regex"):
+        run(eng.generate([200, 201], sp))
+    assert not fk.calls  # refused before anything reached the engine
+    run(eng.generate([200, 201], SP))  # unconstrained requests still carry the extra
+    assert fk.calls[-1]["sampling_params"]["regex"] == "[a-z]+"
+
+
+def test_constrain_choice_per_engine(monkeypatch, caplog):
+    from runner.cli import constrain_tool_calls
+
+    eng, _ = make(monkeypatch)
+
+    class Plain:
+        name = "replay"
+
+    assert constrain_tool_calls("on", eng) is True
+    assert constrain_tool_calls("auto", eng) is False  # reasoning models think first
+    assert constrain_tool_calls("off", eng) is False
+    llama = types.SimpleNamespace(name="llama.cpp", constrains_tool_calls=True)
+    assert constrain_tool_calls("auto", llama) is True
+    with caplog.at_level("WARNING", logger="concur"):
+        assert constrain_tool_calls("on", Plain()) is False
+    assert "replay cannot constrain decoding" in caplog.text
+
+
 def test_stop_string_reply_keeps_its_tokens_and_is_not_an_eos(monkeypatch):
     call = '<tool_call>{"name": "submit", "arguments": {}}</tool_call>'
     eng, _ = make(monkeypatch, config={"replies": [Reply(call + " trailing")]})
@@ -808,7 +865,9 @@ def test_bench_against_the_double(monkeypatch, tmp_path):
     import json
 
     bench = _bench()
-    install_fake_sglang(monkeypatch)
+    # the double does not decode under a grammar: the 4 constrained replies are scripted
+    call = Reply('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+    install_fake_sglang(monkeypatch, replies=[Reply("ok")] * 9 + [call] * 4)
     monkeypatch.setattr(bench, "sglang_available", lambda: (True, "test double"))
     out = tmp_path / "r.json"
     argv = ["--model", "m", "--agents", "3", "--steps", "3", "--obs-chars", "60"]
@@ -818,6 +877,21 @@ def test_bench_against_the_double(monkeypatch, tmp_path):
     assert report["requests"] == 9 and report["H"]["reuse_steps_2plus_min"] == 1.0
     assert report["engine_extra"]["sessions_closed"] == 3
     assert report["finish"]["stopped_on_eos"] == 9
+    assert [c["call"] for c in report["constrained_calls"]] == ["bash"] * 4
+
+
+def test_bench_fails_when_a_constrained_reply_is_not_a_call(monkeypatch, tmp_path):
+    import json
+
+    bench = _bench()
+    install_fake_sglang(monkeypatch, replies=[Reply("ok")] * 2 + [Reply("no call here")])
+    monkeypatch.setattr(bench, "sglang_available", lambda: (True, "test double"))
+    out = tmp_path / "r.json"
+    argv = ["--model", "m", "--agents", "1", "--steps", "2", "--constrained", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["checks"]["constrained_replies_are_one_valid_call"] is False
+    assert report["constrained_calls"][0]["text"] == "no call here"
 
 
 def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, tmp_path):

@@ -103,6 +103,8 @@ class PrefixStateCache:
 
 class LlamaCppEngine:
     name = "llama.cpp"
+    # SamplingParams.tool_call_schema becomes a GBNF grammar (see _grammar)
+    constrains_tool_calls = True
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+import json
 import logging
 import os
 import re
@@ -48,6 +49,10 @@ INSTALL_HINT = "pip install 'concur-runner[sglang]' (or: pip install sglang)"
 DP_ASSIGN = ("round_robin", "least_loaded")
 # Sampling keys the adapter owns: a per-run extra may not override them.
 OWNED_SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "stop"})
+# SGLang takes one decoding constraint per request; with --constrain-tool-calls the adapter
+# sends `structural_tag` itself, so an extra may not add another.
+CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag"})
+TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # Request options that cap prefix reuse; never sent, and refused as extras.
 LOGPROB_KEYS = frozenset(
     {"return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"}
@@ -250,6 +255,8 @@ class SGLangEngine:
     """
 
     name = "sglang"
+    # SamplingParams.tool_call_schema becomes an xgrammar structural tag (see _sampling_params)
+    constrains_tool_calls = True
 
     def __init__(
         self,
@@ -344,6 +351,7 @@ class SGLangEngine:
         self._low_first = bool(getattr(sa, "schedule_low_priority_values_first", False))
         self._dp_assign = dp_assign
         self._sampling_extra = extra
+        self._structural_tags: dict[str, str] = {}  # tool-call schema -> structural tag
         self._stop_ids = sorted(self._tok.eos_ids) if stop_on_eos_ids else []
         self._loads_refresh_s = loads_refresh_s
 
@@ -590,7 +598,32 @@ class SGLangEngine:
         if self._stop_ids:
             d["stop_token_ids"] = list(self._stop_ids)
         d.update(self._sampling_extra)
+        if sp.tool_call_schema:
+            clash = sorted(CONSTRAINT_KEYS & self._sampling_extra.keys())
+            if clash:
+                raise EngineError(
+                    f"--sampling-arg {clash[0]} and constrained tool calls both constrain "
+                    "decoding; SGLang takes one per request (drop one, or "
+                    "--constrain-tool-calls off)"
+                )
+            d["structural_tag"] = self._structural_tag(sp.tool_call_schema)
         return d
+
+    def _structural_tag(self, schema: str) -> str:
+        """The reply as exactly one `<tool_call>{...}</tool_call>` whose object matches the
+        schema: an xgrammar structural tag (the "format" form SGLang's xgrammar backend
+        compiles as given). Built once per schema."""
+        tag = self._structural_tags.get(schema)
+        if tag is None:
+            fmt = {
+                "type": "tag",
+                "begin": TOOL_CALL_BEGIN,
+                "content": {"type": "json_schema", "json_schema": json.loads(schema)},
+                "end": TOOL_CALL_END,
+            }
+            tag = json.dumps({"type": "structural_tag", "format": fmt})
+            self._structural_tags[schema] = tag
+        return tag
 
     def _agent_options(self, agent: str) -> dict[str, Any]:
         opts: dict[str, Any] = {}

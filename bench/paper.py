@@ -277,21 +277,22 @@ DISAGREEMENTS = """## Where the simulation disagrees with the paper, and why
   Where the working set exceeds the host tier too (TP4, TP2) HiCache thrashes and AIMD wins
   by 3x. The sensitivity table above asks what reload rate the paper's HiCache numbers
   imply. Where the 2x host tier holds the working set (TP8, DeepSeek-32/40) HiCache falls
-  behind aimd only when reloads are slow: below about 12 GB/s per GPU at TP8 (at 10 GB/s 634
-  s vs 555 s; at 2 GB/s 0.73 of none, the paper 0.66) and below about 5 GB/s on
-  DeepSeek-32/40, where it is also slower than none, as in the paper, below about 3 GB/s
-  (measured 2, 5, 10, 20 GB/s in session 2). The other rows do not depend on the rate: at
-  TP4/TP2 the host tier is too small for the working set (the paper's TP2 HiCache, 0.44 of
-  none, implies a larger one), DeepSeek-16 has no pressure, and the paper's DeepSeek-40
-  baseline collapsed (3,877 s) far more than this model's. Plausible causes of slow reloads,
-  from SGLang's own tracker: with the default page size of 1 the KV to move is fragmented
-  into many small copies (PR 7313, "poor bandwidth utilization ... particularly pronounced
-  when using small page sizes", which added transfer kernels that did not work with FA3,
-  Hopper's default attention backend); deployments were later pinned to the slower `direct`
-  I/O backend for stability (PR 21631); CPU-side copy submission prevented overlapping loads
-  with the forward pass (PR 18113); issue 7059 shows HiCache with no gain (TTFT 12.8 s vs
-  10.5 s at 32K inputs) and issue 12770 a throughput drop after a pressure test. The default
-  stays at the copy-engine rate, the model's physical assumption; the checks report both.
+  behind aimd only when reloads are slow: below about 16 GB/s per GPU at TP8 (at 10 GB/s 634
+  s vs 555 s; at 2 GB/s 0.73 of none, the paper 0.66) and below about 4 GB/s on
+  DeepSeek-32/40; on DeepSeek-32 it is slower than none, as in the paper, below about 2 GB/s
+  (the run time is linear in 1 / rate: fitted to the 50, 10 and 2 GB/s runs). The other rows
+  do not depend on the rate: at TP4/TP2 the host tier is too small for the working set (the
+  paper's TP2 HiCache, 0.44 of none, implies a larger one), DeepSeek-16 has no pressure, and
+  the paper's DeepSeek-40 baseline collapsed (3,877 s) far more than this model's. Plausible
+  causes of slow reloads, from SGLang's own tracker: with the default page size of 1 the KV
+  to move is fragmented into many small copies (PR 7313, "poor bandwidth utilization ...
+  particularly pronounced when using small page sizes", which added transfer kernels that
+  did not work with FA3, Hopper's default attention backend); deployments were later pinned
+  to the slower `direct` I/O backend for stability (PR 21631); CPU-side copy submission
+  prevented overlapping loads with the forward pass (PR 18113); issue 7059 shows HiCache
+  with no gain (TTFT 12.8 s vs 10.5 s at 32K inputs) and issue 12770 a throughput drop after
+  a pressure test. The default stays at the copy-engine rate, the model's physical
+  assumption; the checks report both.
 - **DeepSeek-V3 with 16 agents has no pressure here.** Their working set fits the calibrated
   280K-token pool for most of the run, so every system takes the same time; the paper's
   baseline had an 80% hit rate there, i.e. more pressure than this workload creates.

@@ -82,12 +82,16 @@ def simulate(
     wall0 = time.perf_counter()
 
     options = dict(engine_options or {})
-    if "hicache_ratio" in options:  # SGLang's way to size the host tier: x the device pool
-        ratio = options.pop("hicache_ratio")
+    if "hicache_ratio" in options or "hicache_size" in options:
         dep = sim_deployment(
             deployment, **{k: v for k, v in options.items() if k in DEPLOYMENT_FIELDS}
         )
-        options["hicache_tokens"] = int(ratio * dep.pool_tokens)
+        ratio = options.pop("hicache_ratio", 0)
+        size_gb = options.pop("hicache_size", 0)
+        if size_gb:  # SGLang's --hicache-size: GB of host pool per rank; overrides the ratio
+            options["hicache_tokens"] = int(size_gb * 1e9 // dep.kv_bytes_per_token_per_gpu)
+        else:  # --hicache-ratio: x the device pool
+            options["hicache_tokens"] = int(ratio * dep.pool_tokens)
 
     async def main() -> tuple[float, dict[str, Any], dict[str, Any]]:
         engine = make_sim_engine(deployment, tok, model, **options)

@@ -33,6 +33,12 @@ def test_deterministic_and_identical_work_across_policies(tmp_path):
 def test_hicache_option_sizes_the_host_tier(tmp_path):
     r = run(tmp_path, "none", "h", engine_options={"hicache_ratio": 2.0})
     assert r.engine["host_capacity_tokens"] == 2 * r.engine["capacity_tokens"]
+    # --hicache-size: GB per rank, over the KV bytes of one token on one GPU; wins over ratio
+    from runner.engines.sim import deployment
+
+    per_token = deployment("tiny-cpu").kv_bytes_per_token_per_gpu
+    r = run(tmp_path, "none", "s", engine_options={"hicache_size": 0.01, "hicache_ratio": 2.0})
+    assert r.engine["host_capacity_tokens"] == int(0.01 * 1e9 // per_token)
 
 
 def test_cli_engine_sim(tmp_path):

@@ -309,6 +309,11 @@ DISAGREEMENTS = """## Where the simulation disagrees with the paper, and why
 - **DeepSeek-V3 with 16 agents has no pressure here.** Their working set fits the calibrated
   280K-token pool for most of the run, so every system takes the same time; the paper's
   baseline had an 80% hit rate there, i.e. more pressure than this workload creates.
+  Larger DeepSeek contexts do not fix it (measured in session 2, uncontrolled hit rate at
+  16 / 32 / 40 agents): final contexts of 24-48K give 91 / 21 / 14%, 32-64K give
+  53 / 13 / 12%, against the paper's 80 / 78 / 35%. In a capacity model the hit rate falls
+  off one cliff as agents are added; the paper's is flat from 16 to 32 agents and then
+  falls, which no single context scale reproduces. The preset keeps the Qwen agents.
 """
 
 

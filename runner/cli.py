@@ -426,7 +426,11 @@ def _simulate(args: argparse.Namespace, policy: Any) -> int:
             workload = Workload.load(trace)
         else:
             workload = synthetic(args.workload, seed=args.workload_seed)
-        options = {"hicache_ratio": args.hicache_ratio} if args.hicache_ratio > 0 else {}
+        options: dict[str, Any] = {}
+        if args.hicache_ratio > 0:
+            options["hicache_ratio"] = args.hicache_ratio
+        if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
+            options["sessions"] = True
         out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
         r = simulate(
             workload,

@@ -189,6 +189,52 @@ def test_radix_priority_eviction():
     t.check()
 
 
+def test_radix_session_references_evict_unreferenced_first():
+    t = RadixCache()
+    old = t.insert(span(100, 5)).node
+    new = t.insert(span(200, 5)).node
+    t.ref(old)  # an open session's latest leaf: kept past LRU order
+    assert t.evict(1) == 5 and not new.alive and old.alive
+    other = t.insert(span(300, 5)).node
+    t.unref(old)  # the session closed: plain LRU again, and `old` is the oldest
+    assert t.evict(1) == 5 and not old.alive and other.alive
+    t.unref(old)  # a dead node: nothing happens
+    # a split keeps the reference on the lower part, the session's leaf
+    leaf = t.insert(span(1, 6)).node
+    t.ref(leaf)
+    t.insert([*span(1, 3), 99])
+    assert leaf.session_refs == 1 and leaf.parent.session_refs == 0
+    t.check()
+
+
+@pytest.mark.parametrize("sessions", [False, True])
+def test_sessions_evict_closed_agents_first(sessions):
+    """sessions=True (SGLang's session radix cache, as the adapter's --sglang-sessions uses
+    it): a finished agent's KV goes before a live agent's, even when it is more recent."""
+
+    async def main():
+        eng = engine(sessions=sessions)
+        await eng.generate(span(200_000, 6000), SP, agent="b")
+        await eng.generate(span(100_000, 6000), SP, agent="a")  # more recent than b
+        await eng.end_agent("a")
+        await eng.end_agent("a")  # idempotent
+        await eng.generate(span(300_000, 9000), SP, agent="c")  # must evict a or b
+        b2 = await eng.generate([*span(200_000, 6000), 1], SP, agent="b")
+        await eng.end_agent("b")
+        await eng.end_agent("c")
+        eng.check()
+        st = eng.stats()
+        await eng.aclose()
+        return b2, st
+
+    b2, st = run_virtual(main())
+    if sessions:
+        assert b2.cached_tokens == 6000  # b's prefix survived
+        assert st["sessions_open"] == 0
+    else:  # LRU: b is the oldest and goes
+        assert b2.cached_tokens == 0 and st["sessions_open"] is None
+
+
 # ---- cost model --------------------------------------------------------------------------
 
 

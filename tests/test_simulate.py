@@ -1,5 +1,7 @@
 """The real runner on the simulated engine, on virtual time."""
 
+import json
+
 from runner.policies import make_policy
 from runner.simulate import simulate
 from runner.workload import synthetic
@@ -58,6 +60,15 @@ def test_cli_engine_sim(tmp_path):
     )
     assert "simulated 8 agents on tiny-cpu with agent-cap" in p.stdout
     assert (tmp_path / "o" / "trajectories.jsonl").read_text().count("\n") == 8
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["simulation"]["engine"]["sessions_open"] is None  # off by default
+    # --sglang-sessions: the simulator's session radix cache; every session closed at the end
+    run_cli(
+        "--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu",
+        "--sglang-sessions", "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["simulation"]["engine"]["sessions_open"] == 0
     bad = run_cli(
         "--engine", "sim", "--sim-deployment", "h100x1", "--out", str(tmp_path / "b"), check=False
     )

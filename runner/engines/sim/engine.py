@@ -179,6 +179,7 @@ class SimEngine:
         fast_forward_cap: int = 64,
         stats_refresh_decode_steps: int = 15,
         priority: int | str | Callable[[str], int | None] | None = None,
+        sessions: bool = False,
         on_finish: Callable[[Key, RequestRecord], None] | None = None,
     ) -> None:
         if schedule_policy not in ("fcfs", "lpm"):
@@ -205,6 +206,10 @@ class SimEngine:
         self.fast_forward_cap = fast_forward_cap
         self.stats_refresh_decode_steps = stats_refresh_decode_steps
         self.priority = priority
+        # SGLang's session radix cache, as the adapter's sessions=True uses it: one session
+        # per agent, referencing the leaf of its latest finished request, closed by end_agent
+        self.sessions = sessions
+        self._session_leaf: dict[str, Node] = {}
         self.on_finish = on_finish
         self._agents: dict[str, AgentStats] = {}
         self._first_seen: dict[str, int] = {}  # "fifo" priority
@@ -312,9 +317,11 @@ class SimEngine:
             raise
 
     async def end_agent(self, agent: str) -> None:
-        """The agent ended. The simulator keeps no per-agent engine state (no sessions), so
-        this only keeps its accounting for `agent_stats()`. Idempotent."""
-        return None
+        """The agent ended: close its session (its KV stays cached, unreferenced).
+        Idempotent."""
+        leaf = self._session_leaf.pop(agent, None)
+        if leaf is not None:
+            self.tree.unref(leaf)
 
     def cache_stats(self) -> CacheStats:
         """SGLang's load snapshot: refreshed after each prefill iteration, every
@@ -343,6 +350,7 @@ class SimEngine:
             host_evicted_tokens=t.host_evicted,
             capacity_tokens=self.capacity,
             host_capacity_tokens=self.hicache_tokens,
+            sessions_open=len(self._session_leaf) if self.sessions else None,
         )
         return s
 
@@ -772,7 +780,14 @@ class SimEngine:
     def _finish(self, r: _Req) -> None:
         """SGLang cache_finished_req: the request's KV goes into the tree, unlocked."""
         n = self._kv_len(r)
-        self.tree.insert(self._seq(r, r.prefix, n), priority=r.priority, at=r.node)
+        ins = self.tree.insert(self._seq(r, r.prefix, n), priority=r.priority, at=r.node)
+        if self.sessions and r.agent is not None:
+            old = self._session_leaf.get(r.agent)
+            if old is not ins.node:
+                self.tree.ref(ins.node)
+                self._session_leaf[r.agent] = ins.node
+                if old is not None:
+                    self.tree.unref(old)
         self._private -= r.private
         r.private = 0
         if r.node is not None:

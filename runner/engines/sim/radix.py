@@ -17,6 +17,10 @@ Why this shape:
   copies included) and makes room by evicting host-only leaves, LRU. Loading a node back
   to the device keeps its host copy. Device-resident nodes always form the top of the tree
   (a device node's parent is on device), so a match is "device part, then host part".
+- Session references (SGLang's `enable_session_radix_cache`, unified radix cache): a node
+  that is the latest leaf of an open session is "referenced"; eviction takes every
+  unreferenced candidate before any referenced one (soft protection: nothing is pinned).
+  Closing a session only drops its reference.
 - Candidates for eviction sit in heaps with lazy invalidation: an entry carries the key it
   was pushed with, and is discarded when popped if the node changed since. This keeps
   `evict` O(k log n) instead of SGLang's scan of every leaf per call.
@@ -59,6 +63,7 @@ class Node:
         "n_dev_children",
         "parent",
         "priority",
+        "session_refs",
         "tier",
     )
 
@@ -69,6 +74,7 @@ class Node:
         self.lock = 0  # requests using this node (directly or through a descendant)
         self.last_access = 0
         self.priority = 0
+        self.session_refs = 0  # open sessions whose latest leaf this is
         self.tier = tier
         self.n_dev_children = 0  # children on device: a node is a device leaf when 0
         self.alive = True
@@ -463,9 +469,30 @@ class RadixCache:
         node.parent.n_dev_children += 1
 
     def _key(self, node: Node) -> tuple[int, int]:
+        # referenced nodes sort after every unreferenced one (then priority, then LRU)
+        ref = 1 if node.session_refs else 0
         if self.eviction_policy == "priority":
-            return node.priority, node.last_access
-        return 0, node.last_access
+            return 2 * node.priority + ref, node.last_access
+        return ref, node.last_access
+
+    # ---- session references -----------------------------------------------------------
+
+    def ref(self, node: Node) -> None:
+        """An open session's latest leaf is now `node`."""
+        node.session_refs += 1
+        self._repush(node)
+
+    def unref(self, node: Node) -> None:
+        """A session moved on from `node` or closed (a dead node is fine)."""
+        node.session_refs = max(0, node.session_refs - 1)
+        self._repush(node)
+
+    def _repush(self, node: Node) -> None:
+        """The node's eviction key changed: its old heap entry goes stale, push a new one."""
+        if self._dev_candidate(node):
+            self._push_dev(node)
+        elif self._host_candidate(node):
+            self._push_host(node)
 
     def _push_dev(self, node: Node) -> None:
         if not self.track_eviction:

@@ -2,9 +2,9 @@
 
 No schedule can finish sooner than either of:
 - the engine's work with nothing ever recomputed and the GPU never idle: every fresh token
-  prefilled once (in full chunks, the shared system prompt once), every generated token
-  decoded in iterations as large as the whole batch (weights read once per iteration, the
-  KV of each token's context read once);
+  prefilled once (as if in one batch, plus one launch cost per full chunk; the shared system
+  prompt once), every generated token decoded in iterations as large as the whole batch
+  (weights read once per iteration, the KV of each token's context read once);
 - the longest agent's own serial chain: its prefills and its decodes at batch 1, plus its
   tools, one after another;
 - the KV pool's memory-time: every agent's context must be resident while it generates
@@ -37,7 +37,7 @@ def lower_bound(
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep)
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
-    prefill_body = 0.0
+    segments_all: list[tuple[int, int]] = []  # every fresh prefill, any agent
     fresh_tokens = 0
     gen_tokens = 0
     ctx_reads = 0  # sum over generated tokens of the context they attend to
@@ -46,7 +46,7 @@ def lower_bound(
     tool_items: list[tuple[float, int]] = []  # (tool seconds, context tokens held meanwhile)
     sys_tokens = workload.system_tokens
     if sys_tokens:
-        prefill_body += cost.prefill([(0, sys_tokens)]).seconds - fixed
+        segments_all.append((0, sys_tokens))
         fresh_tokens += sys_tokens
     for a in workload.agents:
         ctx = sys_tokens + a.prompt_tokens
@@ -54,10 +54,9 @@ def lower_bound(
         chain = 0.0
         for i, s in enumerate(a.steps):
             start, end = segments[-1]
-            body = cost.prefill([(start, end)]).seconds - fixed
-            prefill_body += body
+            segments_all.append((start, end))
             fresh_tokens += end - start
-            chain += body + fixed
+            chain += cost.prefill([(start, end)]).seconds  # its own iteration at least
             # decode s.gen_tokens tokens, contexts ctx+1 .. ctx+gen
             reads = s.gen_tokens * ctx + s.gen_tokens * (s.gen_tokens + 1) // 2
             ctx_reads += reads
@@ -65,7 +64,7 @@ def lower_bound(
             # decode(1, c) is convex in c: gen x its value at the mean context is a lower bound
             gen_seconds = s.gen_tokens * cost.decode(1, ctx + (s.gen_tokens + 1) // 2)
             chain += gen_seconds
-            held += (ctx - sys_tokens) * gen_seconds  # the shared prompt is counted once below
+            held += (ctx - sys_tokens) * gen_seconds  # the shared prompt is left out
             ctx += s.gen_tokens
             if i < len(a.steps) - 1:
                 chain += s.tool_seconds
@@ -73,15 +72,23 @@ def lower_bound(
                 segments.append((ctx, ctx + s.obs_tokens))
                 ctx += s.obs_tokens
         chains.append(chain)
-    batch = max(1, len(workload.agents))
-    iters = math.ceil(gen_tokens / batch)
-    decode = iters * cost.decode(batch, ctx_reads // max(1, iters))
-    prefill = prefill_body + math.ceil(fresh_tokens / CHUNK) * fixed
+    # Prefill as one iteration over every segment (weights read once, one all-reduce
+    # latency): no batching of the same work can be cheaper; the fixed launch cost is paid
+    # once per chunk of fresh tokens at least.
+    n_sampled = len(segments_all) - (1 if sys_tokens else 0)
+    body = cost.prefill(segments_all, sampled=n_sampled).seconds - fixed if segments_all else 0.0
+    prefill = body + math.ceil(fresh_tokens / CHUNK) * fixed
+    # Decode in iterations of the whole batch; the per-iteration batch is rounded down so
+    # the bound never counts more tokens than were generated.
+    iters = math.ceil(gen_tokens / max(1, len(workload.agents)))
+    batch = gen_tokens // iters if iters else 0
+    decode = iters * cost.decode(batch, ctx_reads // iters) if iters else 0.0
     engine = prefill + decode
     chain = max(chains, default=0.0)
     # a dropped token costs its reload (host tier) or the floor of its recompute
     per_token = cost.host_load(1) if host_tier else cost.prefill_linear_per_token
-    memory = _memory_bound(engine, held, tool_items, dep.pool_tokens - sys_tokens, per_token)
+    # the full pool: the shared prompt's own residency is left out of `held` instead
+    memory = _memory_bound(engine, held, tool_items, dep.pool_tokens, per_token)
     return {
         "bound_seconds": round(max(memory, chain), 3),
         "engine_bound_seconds": round(engine, 3),

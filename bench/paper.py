@@ -546,7 +546,7 @@ def _hicache_section(by: dict[str, dict[str, Any]]) -> list[str]:
     out += [
         "",
         "Geometric mean factor between the simulated and the paper's HiCache / none ratio "
-        f"over the six rows (1.00x = the paper's ratios exactly): {fit}.",
+        f"over the rows above (1.00x = the paper's ratios exactly): {fit}.",
     ]
     return out
 
@@ -614,7 +614,7 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
                 line(
                     all((alt["hit_rate"] or 0) >= (r["hit_rate"] or 0) for r in others),
                     f"{c.key}: HiCache ({label}) has the highest hit rate "
-                    f"({alt['hit_rate']:.1%}; aimd {aimd['hit_rate']:.1%}) (sensitivity)",
+                    f"({alt['hit_rate'] or 0:.1%}; aimd {aimd['hit_rate'] or 0:.1%}) (sensitivity)",
                 )
                 line(
                     aimd["sim_seconds"] < alt["sim_seconds"],

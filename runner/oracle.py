@@ -30,12 +30,17 @@ CHUNK = 8192  # SGLang's default chunked_prefill_size
 
 
 def lower_bound(
-    workload: Workload, deployment: str, host_tier: bool = False, **deployment_overrides: Any
+    workload: Workload,
+    deployment: str,
+    host_tier: bool = False,
+    pcie_bytes_per_s: float | None = None,
+    **deployment_overrides: Any,
 ) -> dict:
-    """host_tier: evicted KV can be reloaded from host memory (HiCache) instead of recomputed;
-    the host tier's size is not a constraint here, which only lowers the bound."""
+    """host_tier: evicted KV can be reloaded from host memory (HiCache, at pcie_bytes_per_s
+    per GPU, default the preset's) where that is cheaper than recomputing it; the host
+    tier's size is not a constraint here, which only lowers the bound."""
     dep = sim_deployment(deployment, **deployment_overrides)
-    cost = CostModel(dep)
+    cost = CostModel(dep, pcie_bytes_per_s)
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
     segments_all: list[tuple[int, int]] = []  # every fresh prefill, any agent
     fresh_tokens = 0
@@ -76,8 +81,12 @@ def lower_bound(
     # latency): no batching of the same work can be cheaper; the fixed launch cost is paid
     # once per chunk of fresh tokens at least.
     n_sampled = len(segments_all) - (1 if sys_tokens else 0)
-    body = cost.prefill(segments_all, sampled=n_sampled).seconds - fixed if segments_all else 0.0
+    batched = cost.prefill(segments_all, sampled=n_sampled) if segments_all else None
+    body = batched.seconds - fixed if batched else 0.0
     prefill = body + math.ceil(fresh_tokens / CHUNK) * fixed
+    # Recompute adds compute; where the batched prefill is memory-bound, that much of it
+    # could hide under the weight reads, so the memory term starts that much lower.
+    slack = max(0.0, batched.parts["memory"] - batched.parts["compute"]) if batched else 0.0
     # Decode in iterations of the whole batch; the per-iteration batch is rounded down so
     # the bound never counts more tokens than were generated.
     iters = math.ceil(gen_tokens / max(1, len(workload.agents)))
@@ -85,10 +94,15 @@ def lower_bound(
     decode = iters * cost.decode(batch, ctx_reads // iters) if iters else 0.0
     engine = prefill + decode
     chain = max(chains, default=0.0)
-    # a dropped token costs its reload (host tier) or the floor of its recompute
-    per_token = cost.host_load(1) if host_tier else cost.prefill_linear_per_token
+    # a dropped token costs the floor of its recompute, or its reload where a host tier
+    # makes that cheaper
+    per_token = cost.prefill_linear_per_token
+    if host_tier:
+        per_token = min(per_token, cost.host_load(1))
     # the full pool: the shared prompt's own residency is left out of `held` instead
-    memory = _memory_bound(engine, held, tool_items, dep.pool_tokens, per_token)
+    memory = max(
+        engine, _memory_bound(engine - slack, held, tool_items, dep.pool_tokens, per_token)
+    )
     return {
         "bound_seconds": round(max(memory, chain), 3),
         "engine_bound_seconds": round(engine, 3),

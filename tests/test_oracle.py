@@ -62,3 +62,14 @@ def test_memory_term_binds_on_a_small_pool():
     tight = lower_bound(w, "tiny-cpu", max_total_tokens=4000)
     assert roomy["memory_bound_seconds"] == roomy["engine_bound_seconds"]
     assert tight["memory_bound_seconds"] > tight["engine_bound_seconds"]
+
+
+def test_a_slow_host_tier_never_raises_the_bound_above_recompute():
+    # reloads slower than recomputing: the bound falls back to the recompute floor
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    opts = {"max_total_tokens": 4000}
+    plain = lower_bound(w, "tiny-cpu", **opts)
+    slow = lower_bound(w, "tiny-cpu", host_tier=True, pcie_bytes_per_s=1.0, **opts)
+    fast = lower_bound(w, "tiny-cpu", host_tier=True, pcie_bytes_per_s=1e15, **opts)
+    assert slow["memory_bound_seconds"] == plain["memory_bound_seconds"]
+    assert fast["memory_bound_seconds"] < plain["memory_bound_seconds"]

@@ -880,6 +880,22 @@ def test_bench_against_the_double(monkeypatch, tmp_path):
     assert [c["call"] for c in report["constrained_calls"]] == ["bash"] * 4
 
 
+def test_bench_keeps_its_report_when_a_constrained_request_fails(monkeypatch, tmp_path):
+    import json
+
+    bench = _bench()
+    replies = [Reply("ok")] * 2 + [RuntimeError("grammar backend is none")]
+    install_fake_sglang(monkeypatch, replies=replies)
+    monkeypatch.setattr(bench, "sglang_available", lambda: (True, "test double"))
+    out = tmp_path / "r.json"
+    argv = ["--model", "m", "--agents", "1", "--steps", "2", "--constrained", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["requests"] == 2  # the measurements before it are kept
+    assert report["constrained_calls"][0]["finish"] == "error"
+    assert "grammar backend is none" in report["constrained_calls"][0]["call"]
+
+
 def test_bench_fails_when_a_constrained_reply_is_not_a_call(monkeypatch, tmp_path):
     import json
 

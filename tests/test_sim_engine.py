@@ -235,6 +235,19 @@ def test_sessions_evict_closed_agents_first(sessions):
         assert b2.cached_tokens == 0 and st["sessions_open"] is None
 
 
+def test_aclose_closes_open_sessions():
+    async def main():
+        eng = engine(sessions=True)
+        await eng.generate(span(100_000, 100), SP, agent="a")
+        opened = eng.stats()["sessions_open"]
+        await eng.aclose()  # an interrupted batch never called end_agent
+        return opened, eng.stats()["sessions_open"], eng.tree.nodes()
+
+    opened, closed, nodes = run_virtual(main())
+    assert (opened, closed) == (1, 0)
+    assert all(n.session_refs == 0 for n in nodes)
+
+
 # ---- cost model --------------------------------------------------------------------------
 
 

@@ -337,6 +337,9 @@ class SimEngine:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._fail_all(EngineError("the simulated engine was shut down"))
+        for leaf in self._session_leaf.values():  # like the adapter: open sessions close
+            self.tree.unref(leaf)
+        self._session_leaf.clear()
 
     # ---- inspection ----------------------------------------------------------------
 

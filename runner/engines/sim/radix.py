@@ -19,7 +19,8 @@ Why this shape:
   (a device node's parent is on device), so a match is "device part, then host part".
 - Session references (SGLang's `enable_session_radix_cache`, unified radix cache): a node
   that is the latest leaf of an open session is "referenced"; eviction takes every
-  unreferenced candidate before any referenced one (soft protection: nothing is pinned).
+  unreferenced candidate before any referenced one (soft protection: nothing is pinned);
+  with eviction_policy="priority" priority comes first, then the reference, then LRU.
   Closing a session only drops its reference.
 - Candidates for eviction sit in heaps with lazy invalidation: an entry carries the key it
   was pushed with, and is discarded when popped if the node changed since. This keeps
@@ -469,7 +470,7 @@ class RadixCache:
         node.parent.n_dev_children += 1
 
     def _key(self, node: Node) -> tuple[int, int]:
-        # referenced nodes sort after every unreferenced one (then priority, then LRU)
+        # referenced nodes sort after unreferenced ones (under "priority": within a priority)
         ref = 1 if node.session_refs else 0
         if self.eviction_policy == "priority":
             return 2 * node.priority + ref, node.last_access

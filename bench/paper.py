@@ -274,13 +274,14 @@ DISAGREEMENTS = """## Where the simulation disagrees with the paper, and why
   passes 0.4 while H is below 0.2: the decrease branch seldom fires and the window is set by
   U_low (which does matter: see the U_low sweep). The paper's 4-5x slowdown at U_high=0.8
   implies a U that counts more of the pool than `token_usage` does.
-  Two more variants measured in session 2 (Qwen, U_high 0.5 vs 0.8): an initial window of
-  all 256 agents (TP8 673 / 673 s, TP2 3,355 / 3,279 s) and 2-30 s or 5-60 s tools instead of
-  1-8 s (TP8 1,056 / 1,067 s and 1,847 / 1,841 s): no difference. When this model thrashes
-  (the uncontrolled runs) U sits at 0.85-0.94, because the running batch fills the pool, so
-  a cut fires at either threshold; under the gate, periods with H < 0.2 are rare (TP8 with
-  the 256-agent start: 8-9 cuts in 673 periods). The paper's result needs long thrashing
-  at a U between 0.5 and 0.8, which this engine model does not produce.
+  More variants measured in session 2 (Qwen, U_high 0.5 vs 0.8): an initial window of all
+  256 agents (TP8 673 / 673 s, TP2 3,355 / 3,279 s) and 2-30 s or 5-60 s tools instead of
+  1-8 s (TP8 1,056 / 1,067 s and 1,847 / 1,841 s), and replies of 400-2,400 tokens, as a
+  thinking model writes (TP8 3,643 / 3,643 s, TP2 22,529 / 20,627 s): no slowdown at 0.8.
+  When this model thrashes (the uncontrolled runs) U sits at 0.85-0.94, because the running
+  batch fills the pool, so a cut fires at either threshold; under the gate, periods with H <
+  0.2 are rare (TP8 with the 256-agent start: 8-9 cuts in 673 periods). The paper's result
+  needs long thrashing at a U between 0.5 and 0.8, which this engine model does not produce.
 - **HiCache is cheaper in the model than on the paper's machines.** The model charges host
   to GPU reloads at 50 GB/s per GPU, not overlapped, and treats write-through copies as
   free; where the host tier holds the whole working set (TP8, DeepSeek) HiCache then avoids

@@ -3,9 +3,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tools.sandbox import BwrapSandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 SWE = ROOT / "tasks" / "swe.jsonl"
@@ -45,3 +49,18 @@ def read_jsonl(path: Path) -> list[dict]:
 def needs_bwrap():
     if os.geteuid() != 0 or shutil.which("bwrap") is None:
         pytest.fail("these tests need root and bubblewrap (apt-get install -y bubblewrap)")
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[Path]:
+    """A 0711 directory under /tmp for workspaces. Not pytest's tmp_path: /tmp/pytest-of-root
+    is 0700, so the sandbox uids could not reach it."""
+    d = Path(tempfile.mkdtemp(prefix="sandbox-test-", dir="/tmp"))
+    d.chmod(0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sb() -> BwrapSandbox:
+    return BwrapSandbox()

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,20 +41,6 @@ pytestmark = [
 ]
 
 UID = 210000
-
-
-@pytest.fixture(scope="module")
-def base() -> Iterator[Path]:
-    # Not pytest's tmp_path: /tmp/pytest-of-root is 0700, so the sandbox uids could not reach it.
-    d = Path(tempfile.mkdtemp(prefix="sandbox-test-", dir="/tmp"))
-    d.chmod(0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def sb() -> BwrapSandbox:
-    return BwrapSandbox()
 
 
 def workspace(sb: Sandbox, base: Path, uid: int) -> Path:

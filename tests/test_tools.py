@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,19 +28,6 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
 ]
 _uids = itertools.count(220000)
-
-
-@pytest.fixture(scope="module")
-def base() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="tools-test-", dir="/tmp"))  # 0711: uids can reach it
-    d.chmod(0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def sb() -> BwrapSandbox:
-    return BwrapSandbox()
 
 
 def make_ctx(

@@ -337,9 +337,8 @@ class SimEngine:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._fail_all(EngineError("the simulated engine was shut down"))
-        for leaf in self._session_leaf.values():  # like the adapter: open sessions close
-            self.tree.unref(leaf)
-        self._session_leaf.clear()
+        for agent in list(self._session_leaf):  # like the adapter: open sessions close
+            await self.end_agent(agent)
 
     # ---- inspection ----------------------------------------------------------------
 

@@ -179,22 +179,31 @@ class RadixCache:
         pos = 0
         device_node, device_len = self.root, 0
         while pos < n:
-            child = node.children.get(ids[pos])
-            if child is None:
+            step = self._descend(node, ids, pos, n)
+            if step is None:
                 break
-            key = child.key
-            size = len(key)
-            if pos + size <= n and ids[pos : pos + size] == key:
-                m = size
-            else:
-                m = self._match_edge(key, ids, pos, n)
-                child = self._split(child, m)
+            child, m = step
             self._touch(child, tick)
             pos += m
             node = child
             if child.tier == DEVICE:
                 device_node, device_len = child, pos
         return Match(device_len, pos - device_len, device_node, node)
+
+    def _descend(
+        self, node: Node, ids: tuple[int, ...], pos: int, n: int
+    ) -> tuple[Node, int] | None:
+        """The child of `node` that ids[pos:n] continues into, and how many of its tokens
+        match; an edge matched only in part is split there first. None: no such child."""
+        child = node.children.get(ids[pos])
+        if child is None:
+            return None
+        key = child.key
+        size = len(key)
+        if pos + size <= n and ids[pos : pos + size] == key:
+            return child, size
+        m = self._match_edge(key, ids, pos, n)
+        return self._split(child, m), m
 
     def prefix_len(self, ids: Sequence[int], limit: int | None = None) -> int:
         """Length of the longest prefix of ids[:limit] in the tree (device or host), read
@@ -242,16 +251,10 @@ class RadixCache:
         device_prefix = 0
         on_device = True  # device nodes form the top of the tree: count until the first host
         while pos < n:
-            child = node.children.get(ids[pos])
-            if child is None:
+            step = self._descend(node, ids, pos, n)
+            if step is None:
                 break
-            key = child.key
-            size = len(key)
-            if pos + size <= n and ids[pos : pos + size] == key:
-                m = size
-            else:
-                m = self._match_edge(key, ids, pos, n)
-                child = self._split(child, m)
+            child, m = step
             if priority > child.priority:
                 child.priority = priority
             if child.tier == HOST:

@@ -1,4 +1,4 @@
-"""Reproduce the CONCUR paper's experiments in simulation (runner/simulate.py).
+"""Reproduce the CONCUR paper's experiments in simulation (runner/sim/simulate.py).
 
     python bench/paper.py                 # everything (~see the report for wall times)
     python bench/paper.py --quick         # Table 1 only
@@ -25,10 +25,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.oracle import lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.policies import WorkingSet, make_policy  # noqa: E402
-from runner.simulate import simulate  # noqa: E402
-from runner.workload import synthetic  # noqa: E402
+from runner.sim.simulate import simulate  # noqa: E402
+from runner.sim.workload import synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RUNS = ROOT / "outputs" / "bench-paper"
@@ -262,7 +262,7 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
 
 DISAGREEMENTS = """## Where the simulation disagrees with the paper, and why
 
-- **Absolute seconds.** The workload is synthetic (`runner/workload.py`, preset `paper`):
+- **Absolute seconds.** The workload is synthetic (`runner/sim/workload.py`, preset `paper`):
   256 agents, 10-50 steps, contexts from 512 to 16-32K tokens, 40-200 generated tokens and
   a 1-8 s tool per step. The paper does not publish its traces; with this one, decode of the
   contexts alone costs the simulated TP2 deployment more than the paper's whole CONCUR run
@@ -348,7 +348,7 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         out.append(f"| {c.title} | " + " | ".join(cells) + f" | {ps:.2f}x / {_fmt(ss, 2)}x |")
     out += ["", "## Achieved / oracle lower bound", ""]
     out.append(
-        "The bound (runner/oracle.py) is the longest of: the engine's work with nothing "
+        "The bound (runner/sim/oracle.py) is the longest of: the engine's work with nothing "
         "recomputed and no idle GPU at full batch; the same plus the cheapest recomputes "
         "that let the KV pool hold every context while its agent generates or runs a tool "
         "(memory-time); the longest agent's serial chain. `hicache` is divided by the "

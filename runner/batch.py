@@ -8,11 +8,12 @@ import asyncio
 import dataclasses
 import logging
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS, ToolContext, get_tools
+from tools.core import DEFAULT_TOOLS, Tool, ToolContext, get_tools
 from tools.gitrepo import ensure_repo
 from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
 
@@ -39,6 +40,9 @@ class BatchConfig:
     max_steps: int = 20
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
+    # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
+    # their own (runner/sim/tools.py), so a real run never sees the simulated tool.
+    tool_registry: Mapping[str, Callable[[], Tool]] | None = None
     control_period: float = 2.0
     pause_rule: str = "newest"
     resume_rule: str = "oldest"
@@ -163,7 +167,7 @@ class Batch:
         agent: Agent | None = None
         try:
             names = tuple(task.tools) if task.tools else self.config.tools
-            tools = get_tools(names)
+            tools = get_tools(names, self.config.tool_registry)
             async with self._setup_sem:
                 setup = await self._prepare(task, ctx)
             record["setup"] = setup

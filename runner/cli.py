@@ -417,8 +417,8 @@ def _eval_only(tasks: list[Any], store: RunStore, sandbox: Any, config: BatchCon
 
 def _simulate(args: argparse.Namespace, policy: Any) -> int:
     """--engine sim: the real runner over a simulated engine on virtual time."""
-    from .simulate import simulate
-    from .workload import Workload, synthetic
+    from .sim.simulate import simulate
+    from .sim.workload import Workload, synthetic
 
     try:
         trace = Path(args.workload)

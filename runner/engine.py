@@ -1,8 +1,13 @@
-"""The engine protocol: the one small interface every LLM engine implements.
+"""The engine protocol: the one small interface every LLM engine implements, and the
+capability protocols some engines add.
 
 An engine takes token ids and returns token ids (token in, token out), reports per-request
 cache use, and on demand the occupancy of its KV pool. The agent loop, the gate and the
 store only ever see these types; engines never import the rest of the runner.
+
+Capabilities (`DataParallel`, `ConstrainedDecoding`, `TokenLogprobs`) are protocols too: the
+runner asks `isinstance(engine, DataParallel)`, never `getattr`, never an engine's name or
+concrete class. An engine gains a capability by implementing its members.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class SamplingParams:
     # JSON schema (as text) of the object inside <tool_call>...</tool_call>: engines that can
     # constrain decoding make the reply exactly one such call; others ignore it.
     tool_call_schema: str | None = None
+    # Ask for the log-probability of every generated token (engines with TokenLogprobs).
+    logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class Generation:
     seconds: float
     cached_host_tokens: int = 0  # the part of cached_tokens reloaded from host memory
     stopped_on_eos: bool = False  # output_ids end with the end-of-turn token
+    # one per output id when SamplingParams.logprobs was set and the engine gives them
+    output_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,3 +128,45 @@ class Engine(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class DataParallel(Protocol):
+    """Several data-parallel ranks, each with its own KV pool and prefix cache (SGLang
+    `--dp-size`). The batch gives each rank its own gate window (runner/ranked_gate.py) and
+    sticks each agent to one rank."""
+
+    @property
+    def dp_size(self) -> int:
+        """Number of ranks (1: behaves as a single engine)."""
+        ...
+
+    def assign_rank(self, agent: str, rank: int | None = None) -> int | None:
+        """Pin `agent` to `rank` (None: the engine picks). Returns the rank."""
+        ...
+
+    def rank_stats(self, rank: int) -> CacheStats:
+        """cache_stats() of one rank."""
+        ...
+
+
+@runtime_checkable
+class ConstrainedDecoding(Protocol):
+    """The engine honours SamplingParams.tool_call_schema: every reply is then exactly one
+    well-formed tool call."""
+
+    @property
+    def constrain_by_default(self) -> bool:
+        """Whether `--constrain-tool-calls auto` turns it on for this engine (on where small
+        models need it; off where it would forbid a reasoning model's <think> block)."""
+        ...
+
+
+@runtime_checkable
+class TokenLogprobs(Protocol):
+    """The engine fills Generation.output_logprobs when SamplingParams.logprobs is set."""
+
+    @property
+    def gives_logprobs(self) -> bool:
+        """False where this instance cannot (e.g. a build without the option)."""
+        ...

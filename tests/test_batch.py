@@ -6,11 +6,11 @@ import pytest
 
 from runner.batch import ENGINE_FAILURE_LIMIT, Batch, BatchConfig, EngineDead
 from runner.engine import CacheStats, EngineError
-from runner.engines.sim.tokenizer import SimTokenizer
+from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.policies import NoGate
 from runner.store import RunStore
 from runner.tasks import Task
-from tools.sim import NullSandbox
+from runner.sim.tools import NullSandbox
 
 
 class DeadEngine:
@@ -19,7 +19,7 @@ class DeadEngine:
     name, model, context_limit = "dead", "none", 4096
 
     def __init__(self):
-        self.tokenizer = SimTokenizer()
+        self.tokenizer = ChatMLTokenizer()
         self.calls = 0
 
     async def generate(self, ids, sampling, *, agent=None):

@@ -10,7 +10,7 @@ from runner.control import Controller
 from runner.engine import CacheStats
 from runner.gate import Gate
 from runner.policies import AIMD, make_policy
-from runner.vclock import run_virtual
+from runner.sim.vclock import run_virtual
 
 
 class FakeEngine:

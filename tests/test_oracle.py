@@ -2,10 +2,10 @@
 
 import pytest
 
-from runner.oracle import _memory_bound, lower_bound
+from runner.sim.oracle import _memory_bound, lower_bound
 from runner.policies import make_policy
-from runner.simulate import simulate
-from runner.workload import synthetic
+from runner.sim.simulate import simulate
+from runner.sim.workload import synthetic
 
 
 def test_memory_bound_without_pressure_is_the_engine_bound():

@@ -7,7 +7,7 @@ from runner.engine import CacheStats
 from runner.gate import Gate
 from runner.policies import AIMD
 from runner.ranked_gate import RankedGate
-from runner.vclock import run_virtual
+from runner.sim.vclock import run_virtual
 
 from .test_gate import agent  # the same agent-shaped coroutine, over a RankedGate
 

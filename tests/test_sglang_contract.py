@@ -916,7 +916,7 @@ def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, t
     from runner.batch import Batch, BatchConfig
     from runner.policies import AgentCap
     from runner.store import RunStore
-    from tools.sim import NullSandbox
+    from runner.sim.tools import NullSandbox
 
     submit = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
     eng, fk = make(monkeypatch, config={"replies": [submit] * 6}, dp_size=2)

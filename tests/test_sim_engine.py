@@ -8,15 +8,15 @@ import time
 import pytest
 
 from runner.engine import ContextLimitExceeded, EngineError, SamplingParams
-from runner.engines.sim import (
+from runner.sim.engine import (
     DEPLOYMENTS,
     CostModel,
     RadixCache,
     SimEngine,
     make_sim_engine,
 )
-from runner.engines.sim.radix import DEVICE, HOST
-from runner.vclock import run_virtual
+from runner.sim.engine.radix import DEVICE, HOST
+from runner.sim.vclock import run_virtual
 
 EOS = 0
 

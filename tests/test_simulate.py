@@ -3,8 +3,8 @@
 import json
 
 from runner.policies import make_policy
-from runner.simulate import simulate
-from runner.workload import synthetic
+from runner.sim.simulate import simulate
+from runner.sim.workload import synthetic
 
 
 def run(tmp_path, policy, name, **kw):
@@ -36,7 +36,7 @@ def test_hicache_option_sizes_the_host_tier(tmp_path):
     r = run(tmp_path, "none", "h", engine_options={"hicache_ratio": 2.0})
     assert r.engine["host_capacity_tokens"] == 2 * r.engine["capacity_tokens"]
     # --hicache-size: GB per rank, over the KV bytes of one token on one GPU; wins over ratio
-    from runner.engines.sim import deployment
+    from runner.sim.engine import deployment
 
     per_token = deployment("tiny-cpu").kv_bytes_per_token_per_gpu
     r = run(tmp_path, "none", "s", engine_options={"hicache_size": 0.01, "hicache_ratio": 2.0})

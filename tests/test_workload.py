@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from runner.engines.sim.tokenizer import EOS_ID, SimTokenizer, span
-from runner.workload import SimModel, Workload, synthetic
+from runner.engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span
+from runner.sim.workload import SimModel, Workload, synthetic
 
 
 def test_sim_tokenizer_roundtrip_and_spans():
-    tok = SimTokenizer()
+    tok = ChatMLTokenizer()
     text = 'hello  world <|im_end|>\n{"a": 1}'
     ids = tok.encode(text)
     assert tok.decode(ids) == text.replace("<|im_end|>", "")
@@ -90,7 +90,7 @@ def test_trace_from_real_trajectories(tmp_path):
 
 def test_sim_model_answers_each_step_with_the_trace():
     w = synthetic("tiny", seed=0, gen=(40, 60))
-    tok = SimTokenizer()
+    tok = ChatMLTokenizer()
     model = SimModel(w, tok)
     task = w.tasks()[2]
     trace = w.agents[2]

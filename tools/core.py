@@ -5,6 +5,7 @@ raised into the agent loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -181,12 +182,6 @@ class Submit:
         return Observation(text, submitted=True, answer=answer)
 
 
-def _sim_tool() -> Tool:
-    from .sim import SimTool  # only simulated workloads use it
-
-    return SimTool()
-
-
 def _python() -> Tool:
     from .python_tool import Python
 
@@ -199,21 +194,25 @@ def _editor() -> Tool:
     return StrReplaceEditor()
 
 
-REGISTRY: dict[str, Any] = {
+REGISTRY: dict[str, Callable[[], Tool]] = {
     "bash": Bash,
     "python": _python,
     "str_replace_editor": _editor,
     "submit": Submit,
-    "sim_tool": _sim_tool,
 }
 DEFAULT_TOOLS = ("bash", "python", "str_replace_editor", "submit")
 
 
-def get_tools(names: list[str] | tuple[str, ...]) -> dict[str, Tool]:
-    unknown = [n for n in names if n not in REGISTRY]
+def get_tools(
+    names: list[str] | tuple[str, ...], registry: Mapping[str, Callable[[], Tool]] | None = None
+) -> dict[str, Tool]:
+    """Fresh tools by name from `registry` (default: the production tools). `submit` is
+    always added."""
+    registry = REGISTRY if registry is None else registry
+    unknown = [n for n in names if n not in registry]
     if unknown:
-        raise ValueError(f"unknown tool(s) {unknown}; available: {sorted(REGISTRY)}")
-    tools = {n: REGISTRY[n]() for n in names}
+        raise ValueError(f"unknown tool(s) {unknown}; available: {sorted(registry)}")
+    tools = {n: registry[n]() for n in names}
     if "submit" not in tools:
         tools["submit"] = Submit()  # an agent must always be able to end
     return tools

@@ -4,7 +4,7 @@ Scripts: each task's `replay` list, or (`--replay-from PATH`) the assistant mess
 previous run wrote to its trajectories.jsonl. The n-th request of an agent (identified by
 the `agent=` keyword of generate) gets the n-th entry; when the entries run out the reply
 is a submit call. Token in, token out, like every engine: the entry is encoded with a
-deterministic ChatML tokenizer (reversible word ids, runner/engines/sim/tokenizer.py), cut
+deterministic ChatML tokenizer (reversible word ids, runner/engines/chatml_tokenizer.py), cut
 where a real engine would stop (a stop string, max_new_tokens, the context window) and ended
 with the end-of-turn token otherwise; cached tokens are the common prefix with that agent's
 previous request and reply. Tool behaviour, sandbox incidents and evaluation are then
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
-from .sim.tokenizer import EOS_ID, SimTokenizer
+from .chatml_tokenizer import EOS_ID, ChatMLTokenizer
 
 END_OF_SCRIPT = (
     '<tool_call>{"name": "submit", "arguments": {"answer": "replay: no more scripted '
@@ -73,7 +73,7 @@ class ReplayEngine:
         self.model = f"replay ({source})"
         self.context_limit = context_limit
         self.scripts = scripts
-        self._tok = SimTokenizer()
+        self._tok = ChatMLTokenizer()
         self._turn: dict[str, int] = {}
         self._last: dict[str, list[int]] = {}  # the agent's previous prompt + output ids
         self.requests = 0
@@ -82,7 +82,7 @@ class ReplayEngine:
         self._closed = False
 
     @property
-    def tokenizer(self) -> SimTokenizer:
+    def tokenizer(self) -> ChatMLTokenizer:
         return self._tok
 
     async def generate(

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines.sim.tokenizer import EOS_ID, SimTokenizer, span, span_ids
-from .tasks import Task
+from ..engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span, span_ids
+from ..tasks import Task
 
 SYSTEM_SEED = 0
 TRACE_FORMAT = "concur-trace"
@@ -172,7 +172,7 @@ class SimModel:
     """The simulated model: reads which agent and which step a prompt is, and answers with
     that step's tool call, padded with unique 'reasoning' tokens to the step's size."""
 
-    def __init__(self, workload: Workload, tokenizer: SimTokenizer) -> None:
+    def __init__(self, workload: Workload, tokenizer: ChatMLTokenizer) -> None:
         self.w = workload
         self.tok = tokenizer
         self._agent_of = {

@@ -16,7 +16,7 @@ from the 0.5.x sources):
   (fewest generated tokens first, then longest prompt), their KV freed, and they are
   requeued; they recompute prompt + generated-so-far when readmitted;
 - each iteration's duration comes from the roofline cost model (cost.py) and is spent with
-  `asyncio.sleep`, which on runner.vclock's loop jumps virtual time.
+  `asyncio.sleep`, which on runner.sim.vclock's loop jumps virtual time.
 
 Decode fast-forward: when nothing else can change, k decode iterations are simulated in one
 step (one sleep): k is bounded by the fewest tokens any running request still has to

@@ -1,15 +1,16 @@
 """`sim_tool`: the tool of simulated workloads. It takes the time a real tool took and
 returns an observation of the size a real tool returned (a token span, see
-runner/engines/sim/tokenizer.py). On the simulator's virtual clock the wait costs no wall time.
+runner/engines/chatml_tokenizer.py). On the simulator's virtual clock the wait costs no wall time.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from .core import Observation, ToolContext
+from tools.core import Observation, Submit, Tool, ToolContext
 
 
 @dataclass
@@ -49,3 +50,8 @@ class NullSandbox:
 
     async def aclose(self) -> None:
         return None
+
+
+# The tools of simulated runs. The production registry (tools/core.py) does not know them: a
+# real task that names `sim_tool` gets "unknown tool" like any other name.
+SIM_TOOLS: dict[str, Callable[[], Tool]] = {"sim_tool": SimTool, "submit": Submit}

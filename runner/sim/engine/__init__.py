@@ -2,7 +2,7 @@
 scheduler (engine.py), deployments (presets.py). See docs/simulator.md."""
 
 from .cost import CostModel, Deployment, GpuSpec, IterationCost, ModelSpec
-from .engine import AgentStats, RequestRecord, SimEngine
+from .scheduler import AgentStats, RequestRecord, SimEngine
 from .presets import DEPLOYMENTS, deployment, make_sim_engine
 from .radix import RadixCache
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...engine import Tokenizer
 from .cost import Deployment, GpuSpec, ModelSpec
-from .engine import SimEngine
+from .scheduler import SimEngine
 
 MiB = 1 << 20
 

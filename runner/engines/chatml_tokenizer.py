@@ -15,7 +15,7 @@ import hashlib
 import re
 from typing import Any
 
-from ...template import ChatTemplate
+from ..template import ChatTemplate
 
 CHATML = (
     "{% for message in messages %}"
@@ -42,7 +42,7 @@ def span_ids(n: int, seed: int) -> list[int]:
     return list(range(base, base + n))
 
 
-class SimTokenizer:
+class ChatMLTokenizer:
     def __init__(self) -> None:
         self.template = ChatTemplate(CHATML)
         self._words: dict[int, str] = {v: k for k, v in SPECIALS.items()}

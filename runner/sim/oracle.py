@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .engines.sim import CostModel
-from .engines.sim import deployment as sim_deployment
+from .engine import CostModel
+from .engine import deployment as sim_deployment
 from .workload import Workload
 
 CHUNK = 8192  # SGLang's default chunked_prefill_size

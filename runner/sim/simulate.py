@@ -12,16 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.sim import NullSandbox
-
-from .batch import Batch, BatchConfig
-from .engine import SamplingParams
-from .engines.sim import deployment as sim_deployment
-from .engines.sim import make_sim_engine
-from .engines.sim.presets import _DEPLOYMENT_FIELDS as DEPLOYMENT_FIELDS
-from .engines.sim.tokenizer import SimTokenizer
-from .policies import Policy
-from .store import RunStore, write_json_atomic
+from ..batch import Batch, BatchConfig
+from ..engine import SamplingParams
+from ..engines.chatml_tokenizer import ChatMLTokenizer
+from ..policies import Policy
+from ..store import RunStore, write_json_atomic
+from .engine import deployment as sim_deployment
+from .engine import make_sim_engine
+from .engine.presets import _DEPLOYMENT_FIELDS as DEPLOYMENT_FIELDS
+from .tools import SIM_TOOLS, NullSandbox
 from .vclock import run_virtual
 from .workload import SimModel, Workload
 
@@ -69,12 +68,13 @@ def simulate(
     if out.exists():
         shutil.rmtree(out)
     store = RunStore(out)
-    tok = SimTokenizer()
+    tok = ChatMLTokenizer()
     model = SimModel(workload, tok)
     config = BatchConfig(
         max_steps=max(len(a.steps) for a in workload.agents),
         sampling=SIM_SAMPLING,
         tools=("sim_tool", "submit"),
+        tool_registry=SIM_TOOLS,
         control_period=control_period,
         pause_rule=pause_rule,
         resume_rule=resume_rule,

@@ -25,8 +25,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.policies import WorkingSet, make_policy  # noqa: E402
+from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import synthetic  # noqa: E402
 

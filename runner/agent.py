@@ -18,24 +18,16 @@ from typing import Any
 from tools.core import Observation, Tool, ToolContext, call_schema, cap, check_args, schema
 
 from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
-from .gate import Gate
+from .gate import AdmissionGate
 from .tasks import Task
 from .template import turn_delta
-from .toolcall import ParseError, parse_tool_call
+from .toolcall import STOP, ParseError, parse_tool_call, tools_prompt
 
 DEFAULT_SYSTEM = (
     "You are an autonomous software engineering agent working in a sandboxed shell. "
     "Solve the user's task step by step. In every reply, think briefly, then call exactly "
     "one tool. When the task is done, call the submit tool."
 )
-TOOLS_IN_PROMPT = """
-
-# Tools
-You may call one of these tools per reply. Their JSON schemas:
-{schemas}
-
-To call a tool, write a JSON object with "name" and "arguments" inside <tool_call></tool_call> tags, for example:
-<tool_call>{{"name": "bash", "arguments": {{"command": "ls"}}}}</tool_call>"""  # noqa: E501
 OBSERVATION_RECORD_CAP = 4000  # characters of each observation kept in the trajectory
 
 
@@ -85,7 +77,7 @@ class Agent:
     key: str
     task: Task
     engine: Engine
-    gate: Gate
+    gate: AdmissionGate
     tools: dict[str, Tool]
     tool_ctx: ToolContext
     sampling: SamplingParams
@@ -93,7 +85,6 @@ class Agent:
     # called after every request: (the engine's Generation, fresh tokens: the part of the
     # prompt never sent to the engine before)
     on_request: Callable[[Generation, int], None] = lambda gen, fresh: None
-    on_step: Callable[[Step], None] = lambda step: None
     steps: list[Step] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
@@ -117,13 +108,12 @@ class Agent:
         if self.messages[0]["role"] != "system":
             self.messages.insert(0, {"role": "system", "content": DEFAULT_SYSTEM})
         if not tok.supports_tools:  # e.g. SmolLM2's ChatML: describe the tools ourselves
-            listing = "\n".join(json.dumps(s["function"]) for s in schemas)
-            self.messages[0]["content"] += TOOLS_IN_PROMPT.format(schemas=listing)
+            self.messages[0]["content"] += tools_prompt([s["function"] for s in schemas])
         self.ids = tok.encode(tok.render(self.messages, schemas, add_generation_prompt=True))
-        if self.constrain_tool_calls:
-            self.sampling = dataclasses.replace(
-                self.sampling, tool_call_schema=json.dumps(call_schema(self.tools))
-            )
+        # The loop depends on replies ending where the call closes, whatever the task asked.
+        stop = tuple(dict.fromkeys((*self.sampling.stop, STOP)))
+        schema_text = json.dumps(call_schema(self.tools)) if self.constrain_tool_calls else None
+        self.sampling = dataclasses.replace(self.sampling, stop=stop, tool_call_schema=schema_text)
 
     async def step(self, n: int) -> None:
         step = Step(n)
@@ -148,7 +138,6 @@ class Agent:
         obs = await self.act(gen.text, step)
         step.observation = cap(obs.text, OBSERVATION_RECORD_CAP)
         step.tool_ok = obs.ok
-        self.on_step(step)
         if obs.submitted:
             raise Submitted("the agent called submit", obs.answer)
         tok = self.engine.tokenizer

@@ -18,9 +18,9 @@ from tools.gitrepo import ensure_repo
 from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
 
 from .agent import Agent
-from .control import Controller, MultiController
-from .engine import Engine, EngineError, Generation, SamplingParams
-from .gate import Gate
+from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
+from .engine import CacheStats, DataParallel, Engine, EngineError, Generation, SamplingParams
+from .gate import AdmissionGate, Gate
 from .policies import Policy
 from .progress import Progress
 from .ranked_gate import RankedGate
@@ -29,10 +29,10 @@ from .tasks import Task
 from .workspace import populate
 
 log = logging.getLogger("concur")
-SETUP_CONCURRENCY = 4
+SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, not the engine
 # This many agents in a row failing on the engine, with no successful request in between,
 # means the engine is gone: stop the batch rather than turn every remaining task into an error.
-ENGINE_FAILURE_LIMIT = 5  # workspaces prepared at once: disk and process churn, not the engine
+ENGINE_FAILURE_LIMIT = 5
 
 
 @dataclass
@@ -43,7 +43,7 @@ class BatchConfig:
     # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
     # their own (runner/sim/tools.py), so a real run never sees the simulated tool.
     tool_registry: Mapping[str, Callable[[], Tool]] | None = None
-    control_period: float = 2.0
+    control_period: float = DEFAULT_CONTROL_PERIOD
     pause_rule: str = "newest"
     resume_rule: str = "oldest"
     keep_workspaces: Path | None = None  # move finished workspaces here (None: delete)
@@ -86,32 +86,15 @@ class Batch:
         self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
         self.config = config
         self.todo = [t for t in tasks if t.id not in store.finished]
-        ranks = getattr(engine, "dp_size", 1) or 1
-        if ranks <= 1:
-            self.gate: Gate | RankedGate = self._gate(policy, len(self.todo))
-            self.controller: Controller | MultiController = Controller(
-                self.gate, policy, engine.cache_stats, config.control_period, store.control
-            )
-        else:  # data parallel: one window per rank, each agent sticks to its rank
-            per_rank = -(-len(self.todo) // ranks)
-            ranked = RankedGate(
-                [self._gate(policy, per_rank) for _ in range(ranks)],
-                bind=lambda key, r: engine.assign_rank(key, r),  # type: ignore[attr-defined]
-            )
-            self.gate = ranked
-            self.controller = MultiController(
-                ranked,
-                [
-                    Controller(
-                        ranked.view(r),
-                        policy,
-                        lambda r=r: engine.rank_stats(r),  # type: ignore[attr-defined]
-                        config.control_period,
-                        store.control,
-                        rank=r,
-                    )
-                    for r in range(ranks)
-                ],
+        self.gate: AdmissionGate
+        self.controller: Controller | MultiController
+        if isinstance(engine, DataParallel) and engine.dp_size > 1:
+            self.gate, self.controller = self._ranked(engine, policy, store)
+        else:
+            gate = self._gate(policy, len(self.todo))
+            self.gate = gate
+            self.controller = Controller(
+                gate, policy, engine.cache_stats, config.control_period, store.control
             )
         self.totals = Totals()
         self.progress = progress
@@ -123,6 +106,26 @@ class Batch:
             self._ws_root = config.workspace_root
             remove_tree(self._ws_root)  # left by a killed run
             self._ws_root.mkdir(parents=True)
+
+    def _ranked(
+        self, engine: DataParallel, policy: Policy, store: RunStore
+    ) -> tuple[RankedGate, MultiController]:
+        """Data parallel: one window per rank, each agent sticks to its rank."""
+        ranks = engine.dp_size
+        per_rank = -(-len(self.todo) // ranks)
+        ranked = RankedGate(
+            [self._gate(policy, per_rank) for _ in range(ranks)], bind=engine.assign_rank
+        )
+
+        def stats(r: int) -> Callable[[], CacheStats]:
+            return lambda: engine.rank_stats(r)
+
+        period = self.config.control_period
+        controllers = [
+            Controller(ranked.view(r), policy, stats(r), period, store.control, rank=r)
+            for r in range(ranks)
+        ]
+        return ranked, MultiController(ranked, controllers)
 
     def _gate(self, policy: Policy, n_agents: int) -> Gate:
         return Gate(
@@ -343,7 +346,7 @@ def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
     for k in ("max_new_tokens", "seed"):
         if k in over:
             over[k] = int(over[k])
-    if "stop" in over:  # the tool-call stop string stays: the loop depends on it
+    if "stop" in over:  # added to the run's stops (the agent adds the tool-call stop itself)
         over["stop"] = tuple(dict.fromkeys([*base.stop, *over["stop"]]))
     return dataclasses.replace(base, **over)
 

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .engine import CacheStats
-from .gate import Gate
+from .gate import ControlledGate
 from .policies import Policy, Signals
+from .ranked_gate import RankedGate
 
 log = logging.getLogger("concur")
+DEFAULT_CONTROL_PERIOD = 2.0  # seconds; the paper does not give its period
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ControlStats:
 class Controller:
     def __init__(
         self,
-        gate: Gate,
+        gate: ControlledGate,
         policy: Policy,
         read_signals: Callable[[], CacheStats],
         period: float,
@@ -104,14 +106,10 @@ class Controller:
             pending=c["pending"],
             finished=c["finished"],
             unfinished=c["unfinished"],
-            requests=tally.requests,
-            peak_in_use=self.gate.reset_peak(),
             capacity_tokens=cache.capacity_tokens,
             held_contexts=held,
             waiting_contexts=waiting,
-            growth_per_step=(
-                self.gate.growth_tokens / self.gate.growth_steps if self.gate.growth_steps else None
-            ),
+            growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
             shared_tokens=(
                 statistics.median_low(self._first_cached) if self._first_cached else None
@@ -180,7 +178,7 @@ class MultiController:
     """One Controller per data-parallel rank (ranked_gate.py), stepped together: each rank's
     window follows its own U and H. Same surface as Controller."""
 
-    def __init__(self, ranked: Any, controllers: list[Controller]) -> None:
+    def __init__(self, ranked: RankedGate, controllers: list[Controller]) -> None:
         self.ranked = ranked
         self.controllers = controllers
         self.period = controllers[0].period
@@ -193,7 +191,7 @@ class MultiController:
     def record(
         self, prompt_tokens: int, cached_tokens: int, fresh_tokens: int = 0, agent: str = ""
     ) -> None:
-        rank = self.ranked.rank.get(agent, 0)
+        rank = self.ranked.rank_of(agent) or 0
         self.controllers[rank].record(prompt_tokens, cached_tokens, fresh_tokens)
 
     def step(self) -> list[dict[str, Any]]:

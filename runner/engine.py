@@ -5,7 +5,8 @@ An engine takes token ids and returns token ids (token in, token out), reports p
 cache use, and on demand the occupancy of its KV pool. The agent loop, the gate and the
 store only ever see these types; engines never import the rest of the runner.
 
-Capabilities (`DataParallel`, `ConstrainedDecoding`, `TokenLogprobs`) are protocols too: the
+Capabilities (`DataParallel`, `ConstrainedDecoding`, `TokenLogprobs`, `EngineStats`) are
+protocols too: the
 runner asks `isinstance(engine, DataParallel)`, never `getattr`, never an engine's name or
 concrete class. An engine gains a capability by implementing its members.
 """
@@ -170,3 +171,11 @@ class TokenLogprobs(Protocol):
     def gives_logprobs(self) -> bool:
         """False where this instance cannot (e.g. a build without the option)."""
         ...
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """The engine keeps counters over its life (the simulator's accounting); they go to
+    summary.json under engine.stats."""
+
+    def stats(self) -> dict[str, Any]: ...

@@ -21,8 +21,14 @@ States of an agent:
   then admits pending ones, in the orders the chosen rules give (documented in PAUSE_RULES
   and RESUME_RULES; pending agents are admitted in task order).
 - Waiting is one future per agent; a slot granted to a waiter that got cancelled is passed on.
-- Every operation is O(log n) (heaps for the waiters, counts kept incrementally), so the gate
-  stays cheap with tens of thousands of agents; `bench/gate_bench.py` measures it.
+- What an agent does at a step boundary (acquire while admitted, done_request, finish) and
+  admitting a waiter are O(log n): heaps for the waiters, counts kept incrementally. Resizing
+  sorts the holders it pauses or unmarks, and `contexts()` sorts every agent: O(n log n), once
+  per control period. `bench/gate_bench.py` measures both with 10,000 agents.
+
+Two interfaces: `AdmissionGate` is what the agent loop and the batch use (a `Gate`, or the
+per-rank `RankedGate`); `ControlledGate` is what a controller steers (a `Gate`, or one rank's
+`RankView`). Both are implemented explicitly.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
@@ -48,6 +54,49 @@ RESUME_RULES: dict[str, str] = {
     "shortest": "resume the agent with the shortest context first",
 }
 HOLDING = ("active", "marked")
+Unit = Literal["agent", "request"]
+
+
+class AdmissionGate(Protocol):
+    """The gate as the agent loop and the batch see it."""
+
+    unit: Unit
+
+    def register(self, key: str) -> None: ...
+
+    async def acquire(self, key: str, context_tokens: int = 0) -> None: ...
+
+    def done_request(self, key: str) -> None: ...
+
+    def finish(self, key: str) -> None: ...
+
+    @property
+    def window(self) -> int: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+
+class ControlledGate(Protocol):
+    """One window as its controller sees it: public state in, a new size out."""
+
+    pause_rule: str
+    resume_rule: str
+    counters: GateCounters
+
+    @property
+    def window(self) -> int: ...
+
+    def resize(self, window: int) -> int: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+
+    def growth_per_step(self) -> float | None: ...
+
+    def drain_events(self) -> list[tuple[str, str]]: ...
+
+    def wait_totals(self) -> tuple[float, float]: ...
 
 
 @dataclass(eq=False)
@@ -76,7 +125,7 @@ class Gate:
     def __init__(
         self,
         window: int,
-        unit: Literal["agent", "request"] = "agent",
+        unit: Unit = "agent",
         pause_rule: str = "newest",
         resume_rule: str = "oldest",
         clock: Callable[[], float] | None = None,
@@ -104,9 +153,8 @@ class Gate:
         self._admit_seq = itertools.count()
         self._window = max(1, window)
         self.counters = GateCounters()
-        self.peak_in_use = 0  # most holders at once since the last control period
-        self.growth_steps = 0  # context growth between consecutive acquires, summed
-        self.growth_tokens = 0
+        self._growth_steps = 0  # context growth between consecutive acquires, summed
+        self._growth_tokens = 0
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -122,8 +170,8 @@ class Gate:
         self.register(key)
         a = self._agents[key]
         if a.context and context_tokens > a.context:  # one step's growth: reply + observation
-            self.growth_steps += 1
-            self.growth_tokens += context_tokens - a.context
+            self._growth_steps += 1
+            self._growth_tokens += context_tokens - a.context
         a.context = context_tokens
         if a.state == "active":
             return  # the hot path: an admitted agent between steps
@@ -236,9 +284,9 @@ class Gate:
         ev, self.counters.events = self.counters.events, []
         return ev
 
-    def reset_peak(self) -> int:
-        peak, self.peak_in_use = self.peak_in_use, self.holders()
-        return peak
+    def growth_per_step(self) -> float | None:
+        """Mean context growth between an agent's consecutive steps (reply + observation)."""
+        return self._growth_tokens / self._growth_steps if self._growth_steps else None
 
     def wait_totals(self) -> tuple[float, float]:
         """Seconds agents spent paused and pending, summed (open intervals counted to now)."""
@@ -313,7 +361,6 @@ class Gate:
             if a is None:
                 break
             self._grant(a)
-        self.peak_in_use = max(self.peak_in_use, self.holders())
 
     def _grant(self, a: _Agent) -> None:
         now = self._clock()

@@ -8,7 +8,10 @@ registering it; the gate and the agent loop do not change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -28,8 +31,6 @@ class Signals:
     pending: int  # agents never admitted yet
     finished: int
     unfinished: int  # everyone not finished: the upper bound of W
-    requests: int  # requests finished this period
-    peak_in_use: int  # most slot holders at once during the period
     # Richer signals; None / empty where the engine or the gate cannot tell.
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
     held_contexts: tuple[int, ...] = ()  # slot holders' contexts, in keep order
@@ -224,29 +225,119 @@ class WorkingSet:
         return d
 
 
-# name -> factory(arg, options). `arg` is the text after ':' in "name:arg" (or None).
-REGISTRY: dict[str, Any] = {
-    "aimd": lambda arg, o: AIMD(**o),
-    "none": lambda arg, o: NoGate(),
-    "agent-cap": lambda arg, o: AgentCap(_int_arg("agent-cap", arg)),
-    "request-cap": lambda arg, o: RequestCap(_int_arg("request-cap", arg)),
-    "wset": lambda arg, o: WorkingSet(fallback=AIMD(**o)),
+# Registered policies by name. A policy's parameters are its dataclass fields; a new policy
+# is one class added here, and `--policy NAME:key=value,...` and --help know it at once.
+REGISTRY: dict[str, type] = {
+    cls.name: cls for cls in (AIMD, WorkingSet, NoGate, AgentCap, RequestCap)
 }
+# The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
+# policy falls back on (its field of type AIMD). Other policies take none.
+_AIMD_OPTIONS = tuple(f.name for f in dataclasses.fields(AIMD))
+_FLAG_NAMES = {"initial": "initial_window"}  # where the flag's name is not the field's
 
 
-def _int_arg(name: str, arg: str | None) -> int:
-    try:
-        return int(arg or "")
-    except ValueError:
-        raise ValueError(f"policy {name!r} needs a number: {name}:N (e.g. {name}:32)") from None
+def parameters(cls: type) -> dict[str, tuple[type, Any]]:
+    """A policy's settable parameters: name -> (type, default or MISSING), in field order."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[type, Any]] = {}
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is AIMD:  # the fallback: set through the AIMD flags
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        out[f.name] = (hints[f.name], default)
+    return out
 
 
-def make_policy(spec: str, **options: Any) -> Policy:
-    """Build a policy from "name" or "name:arg". `options` go to policies that take them
-    (the AIMD parameters); policies that take none ignore them."""
+def describe(cls: type) -> str:
+    """`name:key=default,...` for help texts; a parameter without default shows as <key>."""
+    items = [
+        f"<{k}>" if d is dataclasses.MISSING else f"{k}={d}"
+        for k, (_, d) in parameters(cls).items()
+    ]
+    return cls.name + (":" + ",".join(items) if items else "")
+
+
+def make_policy(spec: str, **aimd_options: Any) -> Policy:
+    """Build a policy from `name` or `name:args`, where args are comma-separated `key=value`
+    pairs of the policy's parameters (a policy with one parameter without default also takes
+    it bare: `agent-cap:32`). `aimd_options` are the AIMD flags (None: not given). Unknown
+    keys, bad values and options the policy does not take are errors naming them."""
     name, _, arg = spec.partition(":")
-    if name not in REGISTRY:
-        raise ValueError(
-            f"unknown policy {spec!r}; choose one of: aimd, wset, none, agent-cap:N, request-cap:N"
-        )
-    return REGISTRY[name](arg or None, options)
+    cls = REGISTRY.get(name)
+    if cls is None:
+        known = ", ".join(describe(c) for c in REGISTRY.values())
+        raise ValueError(f"unknown policy {name!r}; registered: {known}")
+    params = parameters(cls)
+    values = _parse_args(cls, params, arg)
+    given = {k: v for k, v in aimd_options.items() if v is not None}
+    bad = [k for k in given if k not in _AIMD_OPTIONS]
+    if bad:
+        raise ValueError(f"unknown AIMD option(s) {bad}; valid: {', '.join(_AIMD_OPTIONS)}")
+    fallback = [
+        f.name for f in dataclasses.fields(cls) if typing.get_type_hints(cls)[f.name] is AIMD
+    ]
+    if given and cls is AIMD:
+        twice = sorted(set(given) & set(values))
+        if twice:
+            raise ValueError(f"policy aimd: {twice} given both as a flag and in --policy")
+        values = {**given, **values}
+    elif given and fallback:
+        values[fallback[0]] = AIMD(**given)
+    elif given:
+        flags = ", ".join("--" + _FLAG_NAMES.get(k, k).replace("_", "-") for k in given)
+        raise ValueError(f"{flags}: AIMD options, which policy {name!r} does not take")
+    missing = [k for k, (_, d) in params.items() if d is dataclasses.MISSING and k not in values]
+    if missing:
+        raise ValueError(f"policy {name!r} needs {missing}: e.g. --policy {describe(cls)}")
+    try:
+        return cls(**values)  # type: ignore[no-any-return]  # every registered class is a Policy
+    except TypeError as e:
+        raise ValueError(f"policy {name!r}: {e}") from None
+
+
+def _parse_args(cls: type, params: dict[str, tuple[type, Any]], arg: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    items = [a.strip() for a in arg.split(",")] if arg else []
+    required = [k for k, (_, d) in params.items() if d is dataclasses.MISSING]
+    for i, item in enumerate(items):
+        key, eq, text = item.partition("=")
+        if not eq:  # a bare value: the one parameter without default
+            if i > 0 or len(required) != 1:
+                raise ValueError(
+                    f"policy {cls.name!r}: {item!r} is not key=value; valid keys: "
+                    f"{', '.join(params) or '(none)'}"
+                )
+            key, text = required[0], item
+        key = key.strip()
+        if key not in params:
+            raise ValueError(
+                f"policy {cls.name!r} has no parameter {key!r}; valid: "
+                f"{', '.join(params) or '(none)'}"
+            )
+        if key in values:
+            raise ValueError(f"policy {cls.name!r}: {key!r} given twice")
+        values[key] = _convert(cls.name, key, params[key][0], text.strip())
+    return values
+
+
+def _convert(policy: str, key: str, kind: Any, text: str) -> Any:
+    """`text` as the parameter's type (int, float, bool, or one of them | None)."""
+    options = (
+        typing.get_args(kind)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType)
+        else (kind,)
+    )
+    if type(None) in options and text.lower() == "none":
+        return None
+    for t in options:
+        try:
+            if t is bool:
+                if text.lower() in ("true", "1", "yes", "false", "0", "no"):
+                    return text.lower() in ("true", "1", "yes")
+                continue
+            if t in (int, float, str):
+                return t(text)
+        except ValueError:
+            continue
+    names = "/".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ValueError(f"policy {policy!r}: {key}={text!r} is not a valid {names}")

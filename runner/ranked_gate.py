@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from .gate import Gate
+from .gate import Gate, GateCounters
 
 
 class RankedGate:
-    def __init__(self, gates: list[Gate], bind: Callable[[str, int], None]) -> None:
+    def __init__(self, gates: list[Gate], bind: Callable[[str, int], object]) -> None:
         if not gates:
             raise ValueError("RankedGate needs at least one rank")
         self.gates = gates
@@ -27,6 +27,10 @@ class RankedGate:
         self.rank: dict[str, int] = {}
         self._lobby: dict[str, asyncio.Future[int] | None] = {}  # insertion = task order
         self.unit = gates[0].unit
+
+    def rank_of(self, key: str) -> int | None:
+        """The rank `key` was sent to; None while it waits in the lobby (or is unknown)."""
+        return self.rank.get(key)
 
     # ---- the Gate surface the agent loop and the batch use --------------------------------
 
@@ -113,15 +117,37 @@ class RankedGate:
 
 
 class RankView:
-    """One rank's gate as its controller sees it: resizing goes through the RankedGate (for
-    the bound and the lobby); everything else is the rank's own Gate."""
+    """One rank's gate as its controller sees it (a ControlledGate): resizing goes through the
+    RankedGate (for the bound and the lobby); everything else is the rank's own Gate."""
 
     def __init__(self, ranked: RankedGate, rank: int) -> None:
         self._ranked, self._rank = ranked, rank
         self._gate = ranked.gates[rank]
+        self.pause_rule = self._gate.pause_rule
+        self.resume_rule = self._gate.resume_rule
+
+    @property
+    def counters(self) -> GateCounters:
+        return self._gate.counters
+
+    @property
+    def window(self) -> int:
+        return self._gate.window
 
     def resize(self, window: int) -> int:
         return self._ranked.resize(self._rank, window)
 
-    def __getattr__(self, name: str):
-        return getattr(self._gate, name)
+    def counts(self) -> dict[str, int]:
+        return self._gate.counts()
+
+    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self._gate.contexts()
+
+    def growth_per_step(self) -> float | None:
+        return self._gate.growth_per_step()
+
+    def drain_events(self) -> list[tuple[str, str]]:
+        return self._gate.drain_events()
+
+    def wait_totals(self) -> tuple[float, float]:
+        return self._gate.wait_totals()

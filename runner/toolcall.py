@@ -1,9 +1,12 @@
-"""Parse the one tool-call syntax the runner speaks (Hermes / Qwen style):
+"""The one tool-call syntax the runner speaks (Hermes / Qwen style), and its only owner:
 
     <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>
 
-Small models get it wrong in many ways; every failure becomes a `ParseError` whose message
-is meant for the model (it is sent back as the observation), so it can correct itself.
+The tags, the stop string, the text that teaches the syntax to a model whose chat template
+has no tools, and the parser all live here; engines that constrain decoding import the tags
+from here too. Small models get it wrong in many ways; every failure becomes a `ParseError`
+whose message is meant for the model (it is sent back as the observation), so it can
+correct itself.
 """
 
 from __future__ import annotations
@@ -14,13 +17,34 @@ from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# Generation stops where a call closes: one call per reply, and nothing after it to discard.
+STOP = CLOSE
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 
 FORMAT_HELP = (
-    'Call exactly one tool per reply, written as <tool_call>{"name": "<tool name>", '
-    '"arguments": {...}}</tool_call>.'
+    f'Call exactly one tool per reply, written as {OPEN}{{"name": "<tool name>", '
+    f'"arguments": {{...}}}}{CLOSE}.'
 )
+# Appended to the system prompt when the chat template cannot render tool schemas itself.
+_TOOLS_IN_PROMPT = f"""
+
+# Tools
+You may call one of these tools per reply. Their JSON schemas:
+{{schemas}}
+
+To call a tool, write a JSON object with "name" and "arguments" inside {OPEN}{CLOSE} tags, for example:
+{OPEN}{{{{"name": "bash", "arguments": {{{{"command": "ls"}}}}}}}}{CLOSE}"""  # noqa: E501
+
+
+def format_call(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call written in the syntax (what a model is expected to write)."""
+    return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
+
+
+def tools_prompt(function_schemas: list[dict[str, Any]]) -> str:
+    """The system-prompt text describing the tools and the syntax (one schema per line)."""
+    return _TOOLS_IN_PROMPT.format(schemas="\n".join(json.dumps(s) for s in function_schemas))
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from runner.batch import ENGINE_FAILURE_LIMIT, Batch, BatchConfig, EngineDead
 from runner.engine import CacheStats, EngineError
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.policies import NoGate
+from runner.sim.tools import NullSandbox
 from runner.store import RunStore
 from runner.tasks import Task
-from runner.sim.tools import NullSandbox
 
 
 class DeadEngine:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runner.cli import workspace_root
+from runner.cli.main import workspace_root
 
 from .conftest import ROOT, read_jsonl, run_cli, small_tasks
 

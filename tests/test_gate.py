@@ -290,7 +290,7 @@ def test_contexts_and_growth_signals(tmp_path):
         await asyncio.sleep(0)
         assert gate.contexts() == ((100, 200), (300, 400))
         await gate.acquire("A", 160)  # A's next step: +60
-        assert gate.growth_steps == 1 and gate.growth_tokens == 60
+        assert gate.growth_per_step() == 60
         gate.finish("A")
         gate.finish("B")
         await asyncio.gather(c, d)

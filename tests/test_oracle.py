@@ -2,8 +2,8 @@
 
 import pytest
 
-from runner.sim.oracle import _memory_bound, lower_bound
 from runner.policies import make_policy
+from runner.sim.oracle import _memory_bound, lower_bound
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 

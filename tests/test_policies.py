@@ -22,8 +22,6 @@ def sig(window, usage, hit, unfinished=100, **kw):
         pending=0,
         finished=0,
         unfinished=unfinished,
-        requests=1,
-        peak_in_use=window,
     )
     base.update(kw)
     return Signals(**base)
@@ -102,7 +100,7 @@ def test_registry():
     assert isinstance(rc, RequestCap) and rc.n == 8 and rc.unit == "request"
     with pytest.raises(ValueError, match="unknown policy 'lru'"):
         make_policy("lru")
-    with pytest.raises(ValueError, match="agent-cap:N"):
+    with pytest.raises(ValueError, match="agent-cap:<n>"):
         make_policy("agent-cap")
     with pytest.raises(ValueError, match="N >= 1"):
         make_policy("request-cap:0")
@@ -179,3 +177,42 @@ def test_wset_cuts_on_measured_recompute_and_falls_back_without_capacity():
     with pytest.raises(ValueError, match="target"):
         WorkingSet(target=0)
     assert make_policy("wset").wants_contexts and not make_policy("aimd").wants_contexts
+
+
+def test_policy_parameters_parse_from_the_dataclass_fields():
+    ws = make_policy("wset:target=0.8,headroom_steps=2")
+    assert isinstance(ws, WorkingSet) and (ws.target, ws.headroom_steps) == (0.8, 2.0)
+    assert make_policy("agent-cap:n=16").n == 16
+    assert make_policy("aimd:alpha=4,initial=none").alpha == 4
+    assert make_policy("aimd:initial=8").initial == 8
+    # the AIMD flags set aimd's parameters, and wset's AIMD fallback
+    assert make_policy("wset", u_high=0.6).fallback.u_high == 0.6
+    assert make_policy("aimd", alpha=None).alpha == AIMD().alpha  # an unset flag is not passed
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "message"),
+    [
+        ("wset:0.5", {}, r"'0.5' is not key=value; valid keys: target, headroom_steps"),
+        ("wset:tgt=1", {}, r"no parameter 'tgt'; valid: target, headroom_steps, max_recompute"),
+        ("agent-cap:x", {}, r"n='x' is not a valid int"),
+        ("aimd:alpha=2.5", {}, r"alpha='2.5' is not a valid int"),
+        ("aimd:alpha=2,alpha=3", {}, r"'alpha' given twice"),
+        ("aimd:alpha=3", {"alpha": 4}, r"given both as a flag and in --policy"),
+        ("none", {"alpha": 3}, r"--alpha: AIMD options, which policy 'none' does not take"),
+        ("agent-cap:8", {"initial": 3}, r"--initial-window: AIMD options"),
+        ("none:x=1", {}, r"no parameter 'x'; valid: \(none\)"),
+    ],
+)
+def test_bad_policy_parameters_are_errors_that_name_them(spec, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy(spec, **options)
+
+
+def test_every_registered_policy_is_listed_with_its_parameters():
+    from runner.policies import REGISTRY, describe
+
+    listed = [describe(c) for c in REGISTRY.values()]
+    assert "agent-cap:<n>" in listed and "none" in listed
+    assert any(d.startswith("wset:target=0.9,headroom_steps=1.0") for d in listed)
+    assert any(d.startswith("aimd:alpha=2,beta=0.5") for d in listed)

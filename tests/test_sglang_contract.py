@@ -263,7 +263,7 @@ def test_a_second_constraint_from_sampling_args_is_refused(monkeypatch):
 
 
 def test_constrain_choice_per_engine(monkeypatch, caplog):
-    from runner.cli import constrain_tool_calls
+    from runner.cli.main import constrain_tool_calls
 
     eng, _ = make(monkeypatch)
 
@@ -915,8 +915,8 @@ def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, t
     agent's rank in the adapter before its first request, and every request goes there."""
     from runner.batch import Batch, BatchConfig
     from runner.policies import AgentCap
-    from runner.store import RunStore
     from runner.sim.tools import NullSandbox
+    from runner.store import RunStore
 
     submit = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
     eng, fk = make(monkeypatch, config={"replies": [submit] * 6}, dp_size=2)

@@ -58,17 +58,21 @@ def test_cli_engine_sim(tmp_path):
         "--out",
         str(tmp_path / "o"),
     )
-    assert "simulated 8 agents on tiny-cpu with agent-cap" in p.stdout
+    assert "simulated s): {'submitted': 8}" in p.stderr
     assert (tmp_path / "o" / "trajectories.jsonl").read_text().count("\n") == 8
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
-    assert summary["simulation"]["engine"]["sessions_open"] is None  # off by default
+    # the one summary schema of every engine, with the simulator's counters under engine.stats
+    assert summary["clock"] == "virtual" and summary["engine"]["name"] == "sim"
+    assert summary["agents_by_status"] == {"submitted": 8} and summary["tasks"] == 8
+    assert summary["gate"]["policy"] == "agent-cap" and summary["batch_seconds"] > 0
+    assert summary["engine"]["stats"]["sessions_open"] is None  # off by default
     # --sglang-sessions: the simulator's session radix cache; every session closed at the end
     run_cli(
         "--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu",
         "--sglang-sessions", "--out", str(tmp_path / "s"),
     )  # fmt: skip
     summary = json.loads((tmp_path / "s" / "summary.json").read_text())
-    assert summary["simulation"]["engine"]["sessions_open"] == 0
+    assert summary["engine"]["stats"]["sessions_open"] == 0
     bad = run_cli(
         "--engine", "sim", "--sim-deployment", "h100x1", "--out", str(tmp_path / "b"), check=False
     )

@@ -1,31 +1,85 @@
 """Run the real runner (agent loop, gate, policy, store) against the simulated engine on a
 virtual clock: minutes of simulated GPU time in seconds of wall time, deterministically.
+
+`sim_parts` builds what a simulated batch needs (tasks, engine, tools, sandbox); the CLI's
+`--engine sim` and `simulate` (the benchmarks' entry point) both use it and then the same
+batch and summary path as every engine (runner/session.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..batch import Batch, BatchConfig
+from ..control import DEFAULT_CONTROL_PERIOD
 from ..engine import SamplingParams
 from ..engines.chatml_tokenizer import ChatMLTokenizer
 from ..policies import Policy
-from ..store import RunStore, write_json_atomic
+from ..session import execute
+from ..store import RunStore
+from ..summary import record_totals
+from ..tasks import Task
+from .engine import SimEngine, make_sim_engine
 from .engine import deployment as sim_deployment
-from .engine import make_sim_engine
 from .engine.presets import _DEPLOYMENT_FIELDS as DEPLOYMENT_FIELDS
 from .tools import SIM_TOOLS, NullSandbox
 from .vclock import run_virtual
-from .workload import SimModel, Workload
+from .workload import SimModel, Workload, synthetic
 
 # Generous: the simulated model decides each reply's length from the trace.
 SIM_SAMPLING = SamplingParams(temperature=0.0, max_new_tokens=4096)
+SIM_TOOL_NAMES = ("sim_tool", "submit")
+
+
+def load_workload(spec: str, seed: int = 0) -> Workload:
+    """A trace file (.jsonl, see workload.py) or a synthetic preset's name."""
+    if Path(spec).suffix == ".jsonl":
+        return Workload.load(Path(spec))
+    return synthetic(spec, seed=seed)
+
+
+@dataclass
+class SimParts:
+    tasks: list[Task]
+    engine: SimEngine
+    max_steps: int
+
+
+def sim_parts(
+    workload: Workload, deployment: str, engine_options: dict[str, Any] | None = None
+) -> SimParts:
+    """The tasks and the simulated engine of one simulated batch. `engine_options`: SimEngine
+    and Deployment overrides, plus `hicache_ratio` (x the device pool) or `hicache_size`
+    (GB of host pool per rank, SGLang's --hicache-size; wins over the ratio)."""
+    options = dict(engine_options or {})
+    ratio = options.pop("hicache_ratio", 0)
+    size_gb = options.pop("hicache_size", 0)
+    if ratio or size_gb:
+        dep = sim_deployment(
+            deployment, **{k: v for k, v in options.items() if k in DEPLOYMENT_FIELDS}
+        )
+        if size_gb:
+            options["hicache_tokens"] = int(size_gb * 1e9 // dep.kv_bytes_per_token_per_gpu)
+        else:
+            options["hicache_tokens"] = int(ratio * dep.pool_tokens)
+    tok = ChatMLTokenizer()
+    engine = make_sim_engine(deployment, tok, SimModel(workload, tok), **options)
+    return SimParts(workload.tasks(), engine, max(len(a.steps) for a in workload.agents))
+
+
+def sim_config(parts: SimParts, **overrides: Any) -> BatchConfig:
+    """The batch settings of a simulated run: the simulated tools, generous sampling."""
+    return BatchConfig(
+        max_steps=parts.max_steps,
+        sampling=SIM_SAMPLING,
+        tools=SIM_TOOL_NAMES,
+        tool_registry=SIM_TOOLS,
+        **overrides,
+    )
 
 
 @dataclass
@@ -58,7 +112,7 @@ def simulate(
     policy: Policy,
     out: Path,
     *,
-    control_period: float = 5.0,
+    control_period: float = DEFAULT_CONTROL_PERIOD,
     pause_rule: str = "newest",
     resume_rule: str = "oldest",
     engine_options: dict[str, Any] | None = None,
@@ -68,60 +122,56 @@ def simulate(
     if out.exists():
         shutil.rmtree(out)
     store = RunStore(out)
-    tok = ChatMLTokenizer()
-    model = SimModel(workload, tok)
-    config = BatchConfig(
-        max_steps=max(len(a.steps) for a in workload.agents),
-        sampling=SIM_SAMPLING,
-        tools=("sim_tool", "submit"),
-        tool_registry=SIM_TOOLS,
-        control_period=control_period,
-        pause_rule=pause_rule,
-        resume_rule=resume_rule,
+    parts = sim_parts(workload, deployment, engine_options)
+    config = sim_config(
+        parts, control_period=control_period, pause_rule=pause_rule, resume_rule=resume_rule
     )
-    wall0 = time.perf_counter()
+    batch = Batch(parts.tasks, parts.engine, NullSandbox(), policy, store, config)
+    outcome = execute(
+        batch,
+        parts.engine,
+        f"simulated {deployment}",
+        task_ids=[t.id for t in parts.tasks],
+        invalid_records=0,
+        config={
+            "workload": workload.name,
+            "sim_deployment": deployment,
+            "policy": policy.name,
+            "control_period": control_period,
+            "pause_rule": pause_rule,
+            "resume_rule": resume_rule,
+            "engine_options": engine_options or {},
+        },
+        run_loop=run_virtual,
+    )
+    return sim_result(outcome.summary, store, workload, deployment, policy, label)
 
-    options = dict(engine_options or {})
-    if "hicache_ratio" in options or "hicache_size" in options:
-        dep = sim_deployment(
-            deployment, **{k: v for k, v in options.items() if k in DEPLOYMENT_FIELDS}
-        )
-        ratio = options.pop("hicache_ratio", 0)
-        size_gb = options.pop("hicache_size", 0)
-        if size_gb:  # SGLang's --hicache-size: GB of host pool per rank; overrides the ratio
-            options["hicache_tokens"] = int(size_gb * 1e9 // dep.kv_bytes_per_token_per_gpu)
-        else:  # --hicache-ratio: x the device pool
-            options["hicache_tokens"] = int(ratio * dep.pool_tokens)
 
-    async def main() -> tuple[float, dict[str, Any], dict[str, Any]]:
-        engine = make_sim_engine(deployment, tok, model, **options)
-        batch = Batch(workload.tasks(), engine, NullSandbox(), policy, store, config)
-        t0 = asyncio.get_running_loop().time()
-        try:
-            await batch.run()
-        finally:
-            await engine.aclose()
-        return asyncio.get_running_loop().time() - t0, engine.stats(), batch.controller.summary()
-
-    sim_seconds, engine_stats, gate = run_virtual(main())
+def sim_result(
+    summary: dict[str, Any],
+    store: RunStore,
+    workload: Workload,
+    deployment: str,
+    policy: Policy,
+    label: str | None = None,
+) -> SimResult:
+    """The figures the benchmarks read, from a simulated run's summary and records."""
     recs = list(store.finished.values())
-    prompt = sum(r.get("prompt_tokens", 0) for r in recs)
-    cached = sum(r.get("cached_tokens", 0) for r in recs)
-    host = engine_stats.get("host_hit_tokens", 0)
-    by_status: dict[str, int] = {}
-    for r in recs:
-        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
-    result = SimResult(
+    totals = record_totals(recs)
+    stats = summary["engine"]["stats"]
+    prompt, cached = totals["prompt_tokens"], totals["cached_tokens"]
+    host = stats.get("host_hit_tokens", 0)
+    return SimResult(
         deployment=deployment,
         workload=workload.name,
         policy=label or policy.name,
         policy_params=policy.params(),
-        sim_seconds=round(sim_seconds, 3),
-        wall_seconds=round(time.perf_counter() - wall0, 3),
-        hit_rate=round(cached / prompt, 4) if prompt else None,
+        sim_seconds=summary["batch_seconds"],
+        wall_seconds=summary["wall_seconds"],
+        hit_rate=totals["hit_rate"],
         device_hit_rate=round((cached - host) / prompt, 4) if prompt else None,
-        engine=engine_stats,
-        gate=gate,
+        engine=stats,
+        gate=summary["gate"],
         agents={
             k: round(statistics.fmean(r.get(k, 0.0) for r in recs), 3)
             for k in ("tool_seconds", "wait_seconds", "gen_seconds", "seconds")
@@ -134,8 +184,6 @@ def simulate(
             )
             for r in recs
         },
-        by_status=by_status,
-        out=str(out),
+        by_status=totals["agents_by_status"],
+        out=str(store.root),
     )
-    write_json_atomic(store.summary, {"simulation": result.to_json()})
-    return result

@@ -2,9 +2,9 @@
 scheduler (engine.py), deployments (presets.py). See docs/simulator.md."""
 
 from .cost import CostModel, Deployment, GpuSpec, IterationCost, ModelSpec
-from .scheduler import AgentStats, RequestRecord, SimEngine
 from .presets import DEPLOYMENTS, deployment, make_sim_engine
 from .radix import RadixCache
+from .scheduler import AgentStats, RequestRecord, SimEngine
 
 __all__ = [
     "DEPLOYMENTS",

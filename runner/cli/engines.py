@@ -1,0 +1,76 @@
+"""The engine factory table: `--engine NAME` -> how to build that engine from the options.
+
+Each entry builds an engine from the parsed options and the tasks, and says why it was
+chosen (summary.json keeps the reason). Heavy engines are imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine import Engine
+from ..tasks import Task
+
+
+@dataclass
+class EngineSetup:
+    engine: Engine
+    why: str
+
+
+def _llama_cpp(args: argparse.Namespace, why: str) -> EngineSetup:
+    from ..engines.llama_cpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(
+        model_path=args.model,
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        cache_bytes=args.cache_mb << 20,
+        seed=args.seed,
+    )
+    return EngineSetup(engine, why)
+
+
+def _sglang(args: argparse.Namespace, why: str) -> EngineSetup:
+    from ..engines.sglang import sglang_engine_from_args
+
+    return EngineSetup(sglang_engine_from_args(args), why)
+
+
+def auto(args: argparse.Namespace, tasks: list[Task]) -> EngineSetup:
+    """SGLang where it imports, a CUDA GPU is visible and --model is not a GGUF file;
+    otherwise the embedded llama.cpp CPU engine."""
+    from ..engines.sglang import sglang_available
+
+    ok, reason = sglang_available()
+    if ok and args.model and not args.model.endswith(".gguf"):
+        return _sglang(args, f"auto: {reason}")
+    if ok:
+        return _llama_cpp(args, f"auto: {reason}, but --model is a GGUF file (or unset): llama.cpp")
+    return _llama_cpp(args, f"auto: {reason}; using the embedded llama.cpp CPU engine")
+
+
+def llama_cpp(args: argparse.Namespace, tasks: list[Task]) -> EngineSetup:
+    return _llama_cpp(args, "chosen with --engine llama.cpp")
+
+
+def sglang(args: argparse.Namespace, tasks: list[Task]) -> EngineSetup:
+    return _sglang(args, "chosen with --engine sglang")
+
+
+def replay(args: argparse.Namespace, tasks: list[Task]) -> EngineSetup:
+    from ..engines.replay import replay_engine_from_args
+
+    return EngineSetup(replay_engine_from_args(args, tasks), "chosen with --engine replay")
+
+
+# `sim` is built with its tasks (they come from --workload): see runner/cli/main.py.
+ENGINES: dict[str, Callable[[argparse.Namespace, list[Task]], EngineSetup]] = {
+    "auto": auto,
+    "llama.cpp": llama_cpp,
+    "sglang": sglang,
+    "replay": replay,
+}
+ENGINE_NAMES = (*ENGINES, "sim")

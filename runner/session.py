@@ -1,0 +1,91 @@
+"""One batch session, the same for every engine: run the batch on its clock (wall-clock, or
+virtual time for the simulator), close the engine, write summary.json whatever happened.
+
+The CLI (runner/cli/) and the simulator's `simulate` (runner/sim/simulate.py) both end here,
+so every run folder has one summary schema (runner/summary.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from .batch import Batch, EngineDead
+from .engine import Engine
+from .summary import build_summary
+
+log = logging.getLogger("concur")
+
+# asyncio.run, or the simulator's virtual-time equivalent
+LoopRunner = Callable[[Coroutine[Any, Any, float]], float]
+
+
+@dataclass
+class Outcome:
+    summary: dict[str, Any]
+    exit_code: int  # 0 done, 1 the engine died, 130 interrupted
+
+
+def execute(
+    batch: Batch,
+    engine: Engine,
+    why: str,
+    *,
+    task_ids: list[str],
+    invalid_records: int,
+    config: dict[str, Any],
+    run_loop: LoopRunner | None = None,
+) -> Outcome:
+    """Run `batch` to its end (or interruption) and write its summary. Re-raises what no
+    record can describe (a crash of the runner itself) after the summary is written."""
+    virtual = run_loop is not None
+    runner: LoopRunner = run_loop or asyncio.run
+    wall0 = time.monotonic()
+    batch_seconds = 0.0
+    interrupted, code = False, 0
+    try:
+        batch_seconds = runner(_run(batch, engine))
+    except KeyboardInterrupt:
+        interrupted, code = True, 130
+        log.warning("interrupted: finished agents are saved; run the same command to resume")
+    except EngineDead as e:
+        interrupted, code = True, 1
+        log.error(
+            "%s: the batch stopped. Finished agents are saved; the agents in flight and those "
+            "that failed on the engine run again when you rerun the command",
+            e,
+        )
+    except BaseException:
+        interrupted = True
+        log.exception("the batch crashed; finished agents are saved; run again to resume")
+        raise
+    finally:
+        wall = time.monotonic() - wall0
+        summary = build_summary(
+            batch,
+            engine,
+            why,
+            task_ids=task_ids,
+            invalid_records=invalid_records,
+            wall_seconds=wall,
+            batch_seconds=batch_seconds if virtual else wall,
+            virtual_time=virtual,
+            interrupted=interrupted,
+            config=config,
+        )
+        batch.store.write_summary(summary)
+    return Outcome(summary, code)
+
+
+async def _run(batch: Batch, engine: Engine) -> float:
+    """-> seconds of loop time the batch took."""
+    t0 = asyncio.get_running_loop().time()
+    try:
+        await batch.run()  # ends every tool process before returning
+    finally:
+        await engine.aclose()
+    return asyncio.get_running_loop().time() - t0

@@ -1,0 +1,89 @@
+"""summary.json: the one place that computes a run's totals and builds its summary.
+
+Totals are computed from the finished records in the run folder (earlier sessions included),
+so a resumed run reports the whole batch; `this_session` covers this process only. Every
+engine, the simulator included, writes this one schema; engine-specific counters go under
+`engine.stats`.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .engine import Engine, EngineStats
+
+if TYPE_CHECKING:  # annotations only: the batch imports nothing of this module
+    from .batch import Batch
+
+
+def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Counts and token totals over finished trajectory records."""
+    recs = list(records)
+    by_status: dict[str, int] = {}
+    for r in recs:
+        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    prompt = sum(r.get("prompt_tokens", 0) for r in recs)
+    cached = sum(r.get("cached_tokens", 0) for r in recs)
+    evals = [r["eval"] for r in recs if r.get("eval")]
+    return {
+        "finished": len(recs),
+        "agents_by_status": by_status,
+        "solved": sum(1 for e in evals if e.get("solved")),
+        "evaluated": len(evals),
+        "steps": sum(r.get("steps", 0) for r in recs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "generated_tokens": sum(r.get("completion_tokens", 0) for r in recs),
+        "hit_rate": round(cached / prompt, 4) if prompt else None,
+    }
+
+
+def build_summary(
+    batch: Batch,
+    engine: Engine,
+    why: str,
+    *,
+    task_ids: list[str],
+    invalid_records: int,
+    wall_seconds: float,
+    batch_seconds: float,
+    virtual_time: bool,
+    interrupted: bool,
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """The summary of a batch over the selected tasks (`task_ids`)."""
+    finished = batch.store.finished
+    totals = record_totals(finished[t] for t in task_ids if t in finished)
+    session = batch.totals
+    return {
+        "tasks": len(task_ids),
+        "invalid_records": invalid_records,
+        **totals,
+        "unfinished": len(task_ids) - totals["finished"],
+        "interrupted": interrupted,
+        "wall_seconds": round(wall_seconds, 3),
+        # loop time of this session's batch: wall-clock, or simulated seconds on virtual time
+        "batch_seconds": round(batch_seconds, 3),
+        "clock": "virtual" if virtual_time else "wall",
+        "this_session": {
+            "agents_run": sum(session.by_status.values()),
+            "requests": session.requests,
+            "prompt_tokens": session.prompt,
+            "cached_tokens": session.cached,
+            "generated_tokens": session.generated,
+        },
+        "engine": {
+            "name": engine.name,
+            "model": engine.model,
+            "why": why,
+            "context_limit": engine.context_limit,
+            "cache": engine.cache_stats().extra,
+            "stats": engine.stats() if isinstance(engine, EngineStats) else None,
+        },
+        "gate": batch.controller.summary(),
+        "sandbox": batch.sandbox.mode,
+        "config": config,
+        "host": {"python": platform.python_version(), "machine": platform.machine()},
+    }

@@ -147,7 +147,7 @@ class Agent:
     async def act(self, reply: str, step: Step) -> Observation:
         """Run the tool the reply calls; every failure becomes an observation."""
         try:
-            call = parse_tool_call(reply, self.tools.keys())
+            call = parse_tool_call(reply, frozenset(self.tools))
         except ParseError as e:
             return Observation(str(e), ok=False)
         step.tool, step.arguments = call.name, call.arguments

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
@@ -22,7 +23,7 @@ from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
 from .engine import CacheStats, DataParallel, Engine, EngineError, Generation, SamplingParams
 from .gate import AdmissionGate, Gate
 from .policies import Policy
-from .progress import Progress
+from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
 from .store import RunStore
 from .tasks import Task
@@ -54,6 +55,9 @@ class BatchConfig:
     limits: Limits = field(default_factory=Limits)
     eval_timeout: float = 300.0
     constrain_tool_calls: bool = False  # engines that can: every reply is one valid call
+    # Commit each prepared workspace as the git base that submit diffs against (simulated
+    # runs have no workspace to commit).
+    git_base: bool = True
 
 
 @dataclass
@@ -152,13 +156,32 @@ class Batch:
     async def _run_all(self) -> None:
         async with asyncio.TaskGroup() as tg:
             control = tg.create_task(self.controller.run())
-            ui = tg.create_task(self.progress.run(self)) if self.progress else None
+            ui = tg.create_task(self.progress.run(self.status)) if self.progress else None
             async with asyncio.TaskGroup() as agents:
                 for i, task in enumerate(self.todo):
                     agents.create_task(self._run_one(i, task))
             control.cancel()
             if ui:
                 ui.cancel()
+
+    def status(self) -> BatchStatus:
+        """Where the batch stands (for the progress display)."""
+        t = self.totals
+        c = self.gate.counts()
+        last = self.controller.stats.last
+        return BatchStatus(
+            done=sum(t.by_status.values()),
+            total=len(self.todo),
+            active=c["active"],
+            paused=c["paused"],
+            pending=c["pending"],
+            window=self.gate.window,
+            steps=t.requests,
+            generated_tokens=t.generated,
+            hit=t.cached / t.prompt if t.prompt else None,
+            u=last.get("u"),
+            h=last.get("h"),
+        )
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
@@ -185,7 +208,7 @@ class Batch:
                 tool_ctx=ctx,
                 sampling=_sampling_for(self.config.sampling, task),
                 max_steps=task.max_steps or self.config.max_steps,
-                on_request=lambda gen, fresh, key=task.id: self._on_request(key, gen, fresh),
+                on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
             status, reason, answer = await agent.run()
@@ -291,7 +314,7 @@ class Batch:
                     why = "timed out" if r.timed_out else f"exit code {r.exit_code}"
                     rec["failed"] = f"setup command {cmd!r} {why}"
                     return rec
-        if isinstance(self.sandbox, Sandbox):  # not the simulator's, which runs nothing
+        if self.config.git_base:
             rec["git"] = await ensure_repo(ctx)
             if "error" in rec["git"]:
                 log.warning("task %s: no patch will be captured: %s", task.id, rec["git"]["error"])

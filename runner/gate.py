@@ -81,7 +81,9 @@ class ControlledGate(Protocol):
 
     pause_rule: str
     resume_rule: str
-    counters: GateCounters
+
+    @property
+    def counters(self) -> GateCounters: ...
 
     @property
     def window(self) -> int: ...
@@ -350,9 +352,9 @@ class Gate:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
         if room > 0 and self._marked:
-            for a in sorted(self._marked.values(), key=lambda a: a.admitted_seq)[:room]:
-                self._move(a, "active")
-                self.counters.events.append(("unmarked", a.key))
+            for m in sorted(self._marked.values(), key=lambda m: m.admitted_seq)[:room]:
+                self._move(m, "active")
+                self.counters.events.append(("unmarked", m.key))
         # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
         while self.holders() < self._window:
             a = self._pop_waiter(self._paused_q, "paused") or self._pop_waiter(

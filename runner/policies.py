@@ -47,9 +47,12 @@ class Decision:
 
 
 class Policy(Protocol):
-    name: str
-    unit: Unit  # what a slot is held for: a whole agent life, or one request
-    wants_contexts: bool  # whether Signals must carry every agent's context (O(n) a period)
+    """A frozen dataclass whose fields are its parameters (`--policy name:key=value`)."""
+
+    name: ClassVar[str]
+    unit: ClassVar[Unit]  # what a slot is held for: a whole agent life, or one request
+    # whether Signals must carry every agent's context (O(n) a period)
+    wants_contexts: ClassVar[bool]
 
     def initial_window(self, n_agents: int) -> int: ...
 
@@ -227,20 +230,23 @@ class WorkingSet:
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy
 # is one class added here, and `--policy NAME:key=value,...` and --help know it at once.
-REGISTRY: dict[str, type] = {
-    cls.name: cls for cls in (AIMD, WorkingSet, NoGate, AgentCap, RequestCap)
-}
+_POLICIES: tuple[type[Policy], ...] = (AIMD, WorkingSet, NoGate, AgentCap, RequestCap)
+REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in _POLICIES}
 # The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
 # policy falls back on (its field of type AIMD). Other policies take none.
 _AIMD_OPTIONS = tuple(f.name for f in dataclasses.fields(AIMD))
 _FLAG_NAMES = {"initial": "initial_window"}  # where the flag's name is not the field's
 
 
-def parameters(cls: type) -> dict[str, tuple[type, Any]]:
+def _fields(cls: type[Policy]) -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(cls)  # type: ignore[arg-type]  # every policy is a dataclass
+
+
+def parameters(cls: type[Policy]) -> dict[str, tuple[type, Any]]:
     """A policy's settable parameters: name -> (type, default or MISSING), in field order."""
     hints = typing.get_type_hints(cls)
     out: dict[str, tuple[type, Any]] = {}
-    for f in dataclasses.fields(cls):
+    for f in _fields(cls):
         if hints[f.name] is AIMD:  # the fallback: set through the AIMD flags
             continue
         default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
@@ -248,7 +254,7 @@ def parameters(cls: type) -> dict[str, tuple[type, Any]]:
     return out
 
 
-def describe(cls: type) -> str:
+def describe(cls: type[Policy]) -> str:
     """`name:key=default,...` for help texts; a parameter without default shows as <key>."""
     items = [
         f"<{k}>" if d is dataclasses.MISSING else f"{k}={d}"
@@ -273,9 +279,8 @@ def make_policy(spec: str, **aimd_options: Any) -> Policy:
     bad = [k for k in given if k not in _AIMD_OPTIONS]
     if bad:
         raise ValueError(f"unknown AIMD option(s) {bad}; valid: {', '.join(_AIMD_OPTIONS)}")
-    fallback = [
-        f.name for f in dataclasses.fields(cls) if typing.get_type_hints(cls)[f.name] is AIMD
-    ]
+    hints = typing.get_type_hints(cls)
+    fallback = [f.name for f in _fields(cls) if hints[f.name] is AIMD]
     if given and cls is AIMD:
         twice = sorted(set(given) & set(values))
         if twice:
@@ -290,12 +295,12 @@ def make_policy(spec: str, **aimd_options: Any) -> Policy:
     if missing:
         raise ValueError(f"policy {name!r} needs {missing}: e.g. --policy {describe(cls)}")
     try:
-        return cls(**values)  # type: ignore[no-any-return]  # every registered class is a Policy
+        return cls(**values)
     except TypeError as e:
         raise ValueError(f"policy {name!r}: {e}") from None
 
 
-def _parse_args(cls: type, params: dict[str, tuple[type, Any]], arg: str) -> dict[str, Any]:
+def _parse_args(cls: type[Policy], params: dict[str, tuple[type, Any]], arg: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     items = [a.strip() for a in arg.split(",")] if arg else []
     required = [k for k, (_, d) in params.items() if d is dataclasses.MISSING]

@@ -6,51 +6,41 @@ import asyncio
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .batch import Batch
+from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("concur")
 
 
-def snapshot(batch: Batch, t0: float) -> dict[str, Any]:
-    tot = batch.totals
-    c = batch.gate.counts()
-    last = batch.controller.stats.last
-    done = sum(tot.by_status.values())
-    total = len(batch.todo)
-    elapsed = time.monotonic() - t0
-    rate = tot.generated / elapsed if elapsed > 0 else 0.0
-    eta = (elapsed / done * (total - done)) if done else None
-    return {
-        "done": done,
-        "total": total,
-        "active": c["active"],
-        "paused": c["paused"],
-        "pending": c["pending"],
-        "window": batch.gate.window,
-        "steps": tot.requests,  # every step is one generation request
-        "tok_s": rate,
-        "hit": tot.cached / tot.prompt if tot.prompt else None,
-        "u": last.get("u"),
-        "h": last.get("h"),
-        "eta": eta,
-        "elapsed": elapsed,
-    }
+@dataclass(frozen=True)
+class BatchStatus:
+    """What the batch reports to a display (runner/batch.py `Batch.status`)."""
+
+    done: int
+    total: int
+    active: int
+    paused: int
+    pending: int
+    window: int
+    steps: int  # every step is one generation request
+    generated_tokens: int
+    hit: float | None  # cached / prompt tokens so far
+    u: float | None  # the latest control period's signals
+    h: float | None
 
 
-def render(s: dict[str, Any]) -> str:
+def render(s: BatchStatus, elapsed: float) -> str:
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.0f}%"
 
-    eta = "-" if s["eta"] is None else f"{s['eta']:.0f}s"
+    rate = s.generated_tokens / elapsed if elapsed > 0 else 0.0
+    eta = f"{elapsed / s.done * (s.total - s.done):.0f}s" if s.done else "-"
     return (
-        f"agents {s['done']}/{s['total']} | W {s['window']} active {s['active']} "
-        f"paused {s['paused']} pending {s['pending']} | "
-        f"steps {s['steps']} | "
-        f"{s['tok_s']:.1f} tok/s | hit {pct(s['hit'])} | U {pct(s['u'])} H {pct(s['h'])} | "
-        f"{s['elapsed']:.0f}s, ETA {eta}"
+        f"agents {s.done}/{s.total} | W {s.window} active {s.active} "
+        f"paused {s.paused} pending {s.pending} | "
+        f"steps {s.steps} | "
+        f"{rate:.1f} tok/s | hit {pct(s.hit)} | U {pct(s.u)} H {pct(s.h)} | "
+        f"{elapsed:.0f}s, ETA {eta}"
     )
 
 
@@ -59,27 +49,31 @@ class Progress:
         self.interval = interval
         self.tty = sys.stderr.isatty() if tty is None else tty
 
-    async def run(self, batch: Batch) -> None:
+    async def run(self, status: Callable[[], BatchStatus]) -> None:
         """Until cancelled. A display failure is logged once and the display stops; the batch
         goes on."""
         try:
-            await self._run(batch)
+            await self._run(status)
         except Exception:
             log.exception("progress display failed; the batch goes on without it")
 
-    async def _run(self, batch: Batch) -> None:
+    async def _run(self, status: Callable[[], BatchStatus]) -> None:
         t0 = time.monotonic()
+
+        def line() -> str:
+            return render(status(), time.monotonic() - t0)
+
         if not self.tty:
             while True:
                 await asyncio.sleep(self.interval)
-                log.info(render(snapshot(batch, t0)))
+                log.info(line())
         from rich.console import Console
         from rich.live import Live
 
         with Live(console=Console(stderr=True), refresh_per_second=4, transient=True) as live:
             try:
                 while True:
-                    live.update(render(snapshot(batch, t0)))
+                    live.update(line())
                     await asyncio.sleep(0.5)
             finally:
-                log.info(render(snapshot(batch, t0)))
+                log.info(line())

@@ -21,6 +21,7 @@ from tools.sandbox import AGENT_UID_BASE, Sandbox, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
 from .store import RunStore, write_json_atomic
+from .summary import record_totals
 from .tasks import Task
 
 log = logging.getLogger("concur")
@@ -59,8 +60,7 @@ def rescore(
     t0 = time.monotonic()
     results = asyncio.run(_run_all(todo, ws_dir, sandbox, config))
     _rewrite(store, results)
-    recs = [store.finished[t.id] for t in tasks if t.id in store.finished]
-    evals = [r["eval"] for r in recs if r.get("eval")]
+    totals = record_totals(store.finished[t.id] for t in tasks if t.id in store.finished)
     section = {
         "time": time.time(),
         "seconds": round(time.monotonic() - t0, 3),
@@ -77,11 +77,7 @@ def rescore(
             summary = json.loads(store.summary.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             summary = {}
-    summary.update(
-        solved=sum(1 for e in evals if e.get("solved")),
-        evaluated=len(evals),
-        eval_only=section,
-    )
+    summary.update(solved=totals["solved"], evaluated=totals["evaluated"], eval_only=section)
     write_json_atomic(store.summary, summary)
     return {**section, "solved": summary["solved"], "evaluated": summary["evaluated"]}
 
@@ -129,28 +125,14 @@ async def _run_all(
 
 
 def _rewrite(store: RunStore, results: dict[str, dict[str, Any] | None]) -> None:
-    """Replace the `eval` of the re-scored lines: write a new file, fsync, rename over."""
+    """Replace the `eval` of the re-scored records (one durable rewrite of the file)."""
     if not results:
         return
     now = time.time()
-    out: list[str] = []
-    with store.trajectories.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-                tid = rec["task_id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                out.append(line)  # not ours to judge: kept as it is
-                continue
-            if tid in results:
-                rec["eval"] = results[tid]
-                rec["rescored_at"] = now
-                store.finished[tid] = rec
-                line = json.dumps(rec, ensure_ascii=False, default=str) + "\n"
-            out.append(line)
-    tmp = store.trajectories.with_name(store.trajectories.name + ".rescore.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(out))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, store.trajectories)
+
+    def rescored(rec: dict[str, Any]) -> dict[str, Any]:
+        if rec["task_id"] not in results:
+            return rec
+        return {**rec, "eval": results[rec["task_id"]], "rescored_at": now}
+
+    store.rewrite_trajectories(rescored)

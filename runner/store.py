@@ -2,7 +2,9 @@
 
 - trajectories.jsonl: one line per finished agent, written with a single write() of a whole
   line and fsync'd, so a SIGKILL leaves at most one torn LAST line; on open that torn tail is
-  cut off (and saved to torn.jsonl.partial for inspection). Resume skips the task ids found.
+  cut off (and kept in trajectories.jsonl.torn for inspection). Resume skips the task ids
+  found. Rewriting it (retried errors, re-scored evals) goes through `rewrite_trajectories`
+  only: a new file, fsync'd, renamed over the old one.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 """
@@ -13,6 +15,7 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,7 @@ def _repair(path: Path) -> int:
 def _append(path: Path, record: dict[str, Any]) -> None:
     # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
     # reads back unchanged, instead of an encoding error that would lose the record
-    text = json.dumps(record, ensure_ascii=False, default=str) + "\n"
-    line = text.encode("utf-8", "backslashreplace")
+    line = _dumps(record).encode("utf-8", "backslashreplace")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
@@ -49,10 +51,28 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def _replace_durably(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
+    folder: a crash leaves the old file or the new one, never a mix or an empty one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    _replace_durably(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False, default=str) + "\n"
 
 
 class RunFolderBusy(RuntimeError):
@@ -96,29 +116,44 @@ class RunStore:
 
     def retry_errors(self, task_ids: set[str]) -> list[str]:
         """Forget the 'error' records of these tasks so they run again: their lines move to
-        errors.jsonl (kind previous_attempt) and trajectories.jsonl is rewritten atomically.
-        Records of other tasks are left alone. Returns the ids that will run again."""
-        retry = [t for t in task_ids if self.finished.get(t, {}).get("status") == "error"]
+        errors.jsonl (kind previous_attempt) and trajectories.jsonl is rewritten. Records of
+        other tasks are left alone. Returns the ids that will run again."""
+        retry = {t for t in task_ids if self.finished.get(t, {}).get("status") == "error"}
         if not retry:
             return []
-        keep: list[str] = []
+
+        def drop(rec: dict[str, Any]) -> dict[str, Any] | None:
+            if rec.get("task_id") not in retry:
+                return rec
+            _append(self.errors, {"kind": "previous_attempt", **rec})
+            return None
+
+        self.rewrite_trajectories(drop)
+        return sorted(retry)
+
+    def rewrite_trajectories(
+        self, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> None:
+        """Rewrite trajectories.jsonl durably with `change` applied to every record (None:
+        drop it); lines that are not records are kept as they are. `finished` follows."""
+        out: list[str] = []
         with self.trajectories.open(encoding="utf-8") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
-                    keep.append(line)
+                    tid = rec["task_id"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    out.append(line)  # not ours to judge: kept as it is
                     continue
-                if isinstance(rec, dict) and rec.get("task_id") in retry:
-                    _append(self.errors, {"kind": "previous_attempt", **rec})
-                else:
-                    keep.append(line)
-        tmp = self.trajectories.with_name("trajectories.jsonl.tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, self.trajectories)
-        for t in retry:
-            del self.finished[t]
-        return sorted(retry)
+                new = change(rec)
+                if new is None:
+                    self.finished.pop(tid, None)
+                    continue
+                if new is not rec:
+                    line = _dumps(new)
+                out.append(line)
+                self.finished[tid] = new
+        _replace_durably(self.trajectories, "".join(out))
 
     def bind_source(self, source: str) -> None:
         """Record which dataset this run folder belongs to; refuse another one (task ids

@@ -43,7 +43,14 @@ def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
     ]
     store = RunStore(tmp_path / "run")
     engine = DeadEngine()
-    batch = Batch(tasks, engine, NullSandbox(), NoGate(), store, BatchConfig(control_period=0.05))
+    batch = Batch(
+        tasks,
+        engine,
+        NullSandbox(),
+        NoGate(),
+        store,
+        BatchConfig(control_period=0.05, git_base=False),
+    )
     with pytest.raises(EngineDead, match=f"{ENGINE_FAILURE_LIMIT} agents in a row"):
         asyncio.run(batch.run())
     # the first failures are recorded (one failing request is an agent's error), the rest of

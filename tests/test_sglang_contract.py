@@ -925,7 +925,12 @@ def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, t
     ]
     store = RunStore(tmp_path / "run")
     batch = Batch(
-        tasks, eng, NullSandbox(), AgentCap(1), store, BatchConfig(control_period=0.01, sampling=SP)
+        tasks,
+        eng,
+        NullSandbox(),
+        AgentCap(1),
+        store,
+        BatchConfig(control_period=0.01, sampling=SP, git_base=False),
     )
 
     async def main():

@@ -78,6 +78,7 @@ def sim_config(parts: SimParts, **overrides: Any) -> BatchConfig:
         sampling=SIM_SAMPLING,
         tools=SIM_TOOL_NAMES,
         tool_registry=SIM_TOOLS,
+        git_base=False,
         **overrides,
     )
 

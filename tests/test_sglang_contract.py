@@ -29,14 +29,14 @@ from runner.engine import (
     TokenLogprobs,
 )
 from runner.engines import sglang as sg
-from runner.engines.sglang import args as sg_args
-from runner.engines.sglang import versions as sg_versions
 from runner.engines.sglang import (
     SGLangEngine,
     SGLangTokenizer,
     parse_engine_args,
     sglang_available,
 )
+from runner.engines.sglang import args as sg_args
+from runner.engines.sglang import versions as sg_versions
 from runner.gate import Gate
 from runner.tasks import Task
 from tests.sglang_double import (
@@ -579,7 +579,7 @@ def test_sessions_server_args_follow_the_installed_release(monkeypatch):
     def start(version):
         monkeypatch.setattr(sg_versions, "installed_version", lambda: version)
         monkeypatch.delenv(env, raising=False)
-        eng, fk = make(monkeypatch, sessions=True)
+        _, fk = make(monkeypatch, sessions=True)
         return fk.kwargs, os.environ.get(env)
 
     # a current release (or one not installed as a distribution): the flag alone
@@ -605,7 +605,7 @@ def test_sessions_refused_before_start_on_releases_without_them(monkeypatch):
 def test_sessions_on_priority_eviction_releases_refuse_another_policy(monkeypatch):
     install_fake_sglang(monkeypatch)
     monkeypatch.setattr(sg_versions, "installed_version", lambda: (0, 5, 16))
-    with pytest.raises(ValueError, match="radix_eviction_policy='lru'.*needed by an opt-in"):
+    with pytest.raises(ValueError, match=r"radix_eviction_policy='lru'.*needed by an opt-in"):
         SGLangEngine("m", sessions=True, engine_args={"radix_eviction_policy": "lru"})
 
 
@@ -947,8 +947,8 @@ def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, t
     agent's rank in the adapter before its first request, and every request goes there."""
     from runner.batch import Batch, BatchConfig
     from runner.policies import AgentCap
-    from runner.store import RunStore
     from runner.sim.tools import NullSandbox
+    from runner.store import RunStore
 
     submit = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
     eng, fk = make(monkeypatch, config={"replies": [submit] * 6}, dp_size=2)

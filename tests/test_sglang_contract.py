@@ -46,6 +46,7 @@ from tests.sglang_double import (
     Abort,
     FakeLoad,
     Reply,
+    fake_logprob,
     install_fake_sglang,
 )
 from tools.core import Observation, Submit, ToolContext
@@ -227,6 +228,56 @@ def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
     # nothing that changes the radix key is sent either
     assert call["lora_path"] is None and call["cache_salt"] is None
     assert call["stream"] is False and call["prompt"] is None
+
+
+def test_logprobs_asked_for_come_back_one_per_output_token(monkeypatch):
+    eng, fk = make(monkeypatch, config={"replies": [Reply("hi"), Reply("yo")]})
+    sp = SamplingParams(max_new_tokens=16, logprobs=True)
+    gen = run(eng.generate([200, 201], sp))
+    call = fk.calls[0]
+    assert call["return_logprob"] is True
+    # only return_logprob: a logprob_start_len inside the prompt would cap the prefix match
+    assert call["logprob_start_len"] is None and call["top_logprobs_num"] is None
+    assert call["token_ids_logprob"] is None
+    assert gen.output_ids == [*eng.tokenizer.encode("hi"), EOT_ID]
+    assert gen.output_logprobs == [fake_logprob(t) for t in gen.output_ids]
+    plain = run(eng.generate([200, 201, 202], SP))  # not asked: none sent, none given
+    assert fk.calls[1]["return_logprob"] is False and plain.output_logprobs is None
+
+
+def test_logprobs_that_do_not_match_the_output_fail_the_request(monkeypatch):
+    handle = install_fake_sglang(monkeypatch)
+
+    class Short(handle.engine_class):
+        async def async_generate(self, *args, **kwargs):
+            out = await super().async_generate(*args, **kwargs)
+            out["meta_info"]["output_token_logprobs"].pop()
+            return out
+
+    eng = SGLangEngine("m", engine_factory=Short)
+    with pytest.raises(EngineError, match="output logprobs for 3 output tokens"):
+        run(eng.generate([200], SamplingParams(logprobs=True)))
+    assert eng.cache_stats().extra["failed"] == 1
+
+
+def test_logprobs_refused_where_async_generate_cannot_return_them(monkeypatch):
+    handle = install_fake_sglang(monkeypatch)
+
+    class Old(handle.engine_class):
+        async def async_generate(self, prompt=None, sampling_params=None, input_ids=None):
+            return await super().async_generate(prompt, sampling_params, input_ids)
+
+    eng = SGLangEngine("m", engine_factory=Old)
+    assert isinstance(eng, TokenLogprobs) and not eng.gives_logprobs
+    with pytest.raises(EngineError, match="return_logprob"):
+        run(eng.generate([200], SamplingParams(logprobs=True)))
+    assert run(eng.generate([200], SP)).output_logprobs is None
+
+
+def test_a_sampling_key_sglang_rejects_fails_the_request(monkeypatch):
+    eng, _ = make(monkeypatch, sampling_extra={"topk": 20})  # a typo of top_k
+    with pytest.raises(EngineError, match="Unexpected keyword argument 'topk'"):
+        run(eng.generate([200], SP))
 
 
 CALL_SCHEMA = {

@@ -1,4 +1,4 @@
-"""A TEST DOUBLE of the SGLang surface runner/engines/sglang.py uses. Not SGLang.
+"""A TEST DOUBLE of the SGLang surface runner/engines/sglang/ uses. Not SGLang.
 
 `install_fake_sglang(monkeypatch)` puts a fake `sglang` package (with `sglang.Engine` and
 `sglang.srt.managers.io_struct`) into sys.modules, so the adapter runs its real import path

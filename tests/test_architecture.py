@@ -69,5 +69,5 @@ def test_constrain_choice_follows_the_capability_not_the_engine_name(caplog):
         False,
     ]
     with caplog.at_level("WARNING", logger="concur"):
-        assert constrain_tool_calls("on", _PlainEngineDouble()) is False  # type: ignore[arg-type]
+        assert constrain_tool_calls("on", _PlainEngineDouble()) is False
     assert "plain cannot constrain decoding" in caplog.text

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import toolcall
 from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from ..template import ChatTemplate
 
@@ -303,7 +304,7 @@ class LlamaCppEngine:
             from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
 
             gbnf = json_schema_to_gbnf(schema).replace("root ::=", "call ::=", 1)
-            gbnf += '\nroot ::= "<tool_call>" call "</tool_call>"\n'
+            gbnf += f'\nroot ::= "{toolcall.OPEN}" call "{toolcall.CLOSE}"\n'
             g = self._grammars[schema] = LlamaGrammar.from_string(gbnf, verbose=False)
         return g
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ... import toolcall
 from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from . import versions
 from .loads import LoadSnapshots, number
@@ -29,7 +30,7 @@ OWNED_SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "stop
 # SGLang takes one decoding constraint per request; with --constrain-tool-calls the adapter
 # sends `structural_tag` itself, so an extra may not add another.
 CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag"})
-TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_CALL_BEGIN, TOOL_CALL_END = toolcall.OPEN, toolcall.CLOSE
 # Request options for logprobs. Only `return_logprob` is ever sent (SamplingParams.logprobs):
 # alone it makes SGLang start logprobs at the first output token, which leaves the prefix
 # match at input_len - 1. A `logprob_start_len` inside the prompt would cap the match there

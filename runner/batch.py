@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS, Tool, ToolContext, get_tools
+from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
+from tools.registry import DEFAULT_TOOLS, get_tools
 from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
 
 from .agent import Agent

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS
-from tools.core import REGISTRY as TOOL_REGISTRY
+from tools.registry import DEFAULT_TOOLS
+from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import SandboxUnavailable, make_sandbox
 
 from .batch import Batch, BatchConfig, EngineDead

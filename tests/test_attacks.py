@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from tools.core import ToolContext, get_tools
+from tools.core import ToolContext
+from tools.registry import get_tools
 from tools.sandbox import AGENT_UID_BASE, BwrapSandbox, Limits
 
 from .conftest import SWE, read_jsonl, run_cli

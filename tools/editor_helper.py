@@ -92,7 +92,8 @@ def _display(text: str) -> list[str]:
 
 def _cap_lines(header: str, lines: list[str], first: int, total: int, max_chars: int) -> str:
     """`cat -n` of lines[first..], cut at whole lines once max_chars is reached."""
-    out, size = [], len(header)
+    out: list[str] = []
+    size = len(header)
     for k, line in enumerate(lines):
         row = f"{first + k:6}\t{line}"
         if size + len(row) + 1 > max_chars and out:
@@ -229,21 +230,21 @@ def _view_dir(full: str, real: str, max_chars: int) -> str:
         nonlocal hidden, more
         try:
             entries = sorted(os.scandir(dir_real), key=lambda e: e.name)
-        except OSError as e:
-            rows.append(f"{dir_shown}/ [cannot list: {e.strerror}]")
+        except OSError as err:
+            rows.append(f"{dir_shown}/ [cannot list: {err.strerror}]")
             return
-        for e in entries:
-            if e.name.startswith("."):
+        for entry in entries:
+            if entry.name.startswith("."):
                 hidden += 1
                 continue
-            shown = f"{dir_shown.rstrip('/')}/{e.name}"
-            is_dir = e.is_dir(follow_symlinks=False)
+            shown = f"{dir_shown.rstrip('/')}/{entry.name}"
+            is_dir = entry.is_dir(follow_symlinks=False)
             if len(rows) >= DIR_MAX_ENTRIES:
                 more += 1
                 continue
-            rows.append(shown + ("/" if is_dir else "@" if e.is_symlink() else ""))
+            rows.append(shown + ("/" if is_dir else "@" if entry.is_symlink() else ""))
             if is_dir and depth < DIR_DEPTH:
-                walk(e.path, shown, depth + 1)
+                walk(entry.path, shown, depth + 1)
 
     walk(real, full, 1)
     text = (

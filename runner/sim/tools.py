@@ -6,11 +6,12 @@ runner/engines/chatml_tokenizer.py). On the simulator's virtual clock the wait c
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from tools.core import Observation, Submit, Tool, ToolContext
+from tools.core import Observation, Tool, ToolContext
+from tools.submit import Submit
 
 
 @dataclass

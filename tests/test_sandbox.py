@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,15 @@ def run(
 def procs_of(uid: int) -> str:
     p = subprocess.run(["pgrep", "-a", "-u", str(uid)], capture_output=True, text=True)
     return p.stdout
+
+
+async def running(uid: int, what: str, within: float = 30.0) -> None:
+    """Wait until a process of `uid` runs `what`: on a loaded machine a sandbox can take
+    longer to start than any fixed sleep (0.33 s measured beside 8 busy loops)."""
+    deadline = time.monotonic() + within
+    while what not in procs_of(uid):
+        assert time.monotonic() < deadline, f"{what!r} did not start within {within}s"
+        await asyncio.sleep(0.02)
 
 
 def test_echo_and_exit_codes(sb: BwrapSandbox, base: Path) -> None:
@@ -269,8 +279,7 @@ def test_cancel_kills_process_group(sb: BwrapSandbox, base: Path) -> None:
 
     async def main() -> None:
         task = asyncio.create_task(sb.run("setsid sleep 100 & sleep 100", ws, uid))
-        await asyncio.sleep(0.5)
-        assert "sleep 100" in procs_of(uid)
+        await running(uid, "sleep 100")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -290,7 +299,7 @@ def test_aclose_kills_running(sb: BwrapSandbox, base: Path) -> None:
     async def main() -> None:
         own = BwrapSandbox()
         task = asyncio.create_task(own.run("sleep 100", ws, uid))
-        await asyncio.sleep(0.3)
+        await running(uid, "sleep 100")
         await own.aclose()
         await own.aclose()  # idempotent
         assert procs_of(uid) == ""

@@ -15,23 +15,18 @@ The names below are the public interface; everything else is internal to this pa
 """
 
 from .bwrap import probe_bwrap
-from .filesystem import WALK_MAX_DEPTH, WALK_MAX_ENTRIES, WalkLimit, move_tree, remove_tree
-from .limits import AGENT_UID_BASE, PROBE_UID, ExecResult, Limits, SandboxUnavailable
-from .sandboxes import MODES, BwrapSandbox, Sandbox, UnsandboxedSandbox, make_sandbox
+from .filesystem import move_tree, remove_tree
+from .limits import AGENT_UID_BASE, ExecResult, Limits, SandboxUnavailable
+from .sandboxes import BwrapSandbox, Sandbox, UnsandboxedSandbox, make_sandbox
 
 __all__ = [
     "AGENT_UID_BASE",
-    "MODES",
-    "PROBE_UID",
-    "WALK_MAX_DEPTH",
-    "WALK_MAX_ENTRIES",
     "BwrapSandbox",
     "ExecResult",
     "Limits",
     "Sandbox",
     "SandboxUnavailable",
     "UnsandboxedSandbox",
-    "WalkLimit",
     "make_sandbox",
     "move_tree",
     "probe_bwrap",

@@ -68,8 +68,6 @@ class Totals:
     generated: int = 0
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
-    solved: int = 0
-    evaluated: int = 0
 
 
 class EngineDead(RuntimeError):
@@ -357,9 +355,6 @@ class Batch:
     def _count(self, rec: dict[str, Any]) -> None:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
-        if rec.get("eval"):
-            t.evaluated += 1
-            t.solved += bool(rec["eval"]["solved"])
 
 
 def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:

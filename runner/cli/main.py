@@ -12,6 +12,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,20 @@ class Plan:
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
 
 
+def report(argv: list[str]) -> int:
+    from ..report.command import main as report_main
+
+    return report_main(argv)
+
+
+# `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         policy = policy_from_args(args)

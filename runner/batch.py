@@ -38,7 +38,8 @@ ENGINE_FAILURE_LIMIT = 5
 
 @dataclass
 class BatchConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # for tasks that set none
+    max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
     # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
@@ -207,7 +208,7 @@ class Batch:
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=_sampling_for(self.config.sampling, task),
-                max_steps=task.max_steps or self.config.max_steps,
+                max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
@@ -247,6 +248,11 @@ class Batch:
                 }
             )
             self._count({"status": "error"})
+
+    def _max_steps(self, task: Task) -> int:
+        steps = task.max_steps or self.config.max_steps
+        cap = self.config.max_steps_cap
+        return steps if cap is None else min(steps, cap)
 
     async def _finish_record(
         self,

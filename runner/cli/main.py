@@ -158,7 +158,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 def check_options(args: argparse.Namespace) -> None:
     if args.control_period <= 0:
         raise ValueError(f"--control-period must be > 0, got {args.control_period}")
-    if args.max_steps < 1:
+    if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -194,7 +194,8 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     local = Path(source).is_file()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or BatchConfig.max_steps,
+        max_steps_cap=args.max_steps,
         sampling=SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,

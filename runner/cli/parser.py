@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-steps",
         type=int,
-        default=BatchConfig.max_steps,
-        help="default for tasks without one",
+        help="step budget of every task, capping a task's own max_steps too (not given: "
+        f"a task's own max_steps, else {BatchConfig.max_steps})",
     )
     g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
     g.add_argument(

@@ -27,6 +27,8 @@ from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
 from ..tasks import RecordError, Task, load_tasks
+from .config import differing, resolved, run_record, to_toml
+from .config import parse_args as config_args
 from .engines import ENGINES, EngineSetup
 from .parser import AIMD_FLAGS, build_parser
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
+    args = config_args(build_parser(), argv)
     try:
         policy = policy_from_args(args)
         check_options(args)
@@ -75,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         store = RunStore(plan.out)
-        store.bind_source(plan.source)
+        config = resolved(args)
+        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)))
     except RunFolderBusy as e:
         return fail(str(e))
+    problem = check_resume(meta, config, args.eval_only, plan.out)
+    if problem:
+        return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
     try:
@@ -246,6 +252,24 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
 
 
 # ---- run folder and logging ---------------------------------------------------------------
+
+
+def check_resume(meta: dict[str, Any], config: dict[str, Any], eval_only: bool, out: Path) -> str:
+    """Why this run may not go on in `out` ("" if it may); writes run.toml on a first run."""
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):  # a run folder of a version that recorded none
+        return ""
+    if not (out / "run.toml").exists():
+        (out / "run.toml").write_text(to_toml(recorded), encoding="utf-8")
+    keys = [] if eval_only else [k for k in differing(recorded, config) if k != "tasks"]
+    if not keys:
+        return ""
+    changes = ", ".join(f"--{k.replace('_', '-')} ({recorded.get(k)!r} -> {config.get(k)!r})"
+                        for k in keys)  # fmt: skip
+    return (
+        f"{out} holds a run made with other options that change results: {changes}. Resume "
+        f"it with its own options (--config {out / 'run.toml'}) or pass another --out"
+    )
 
 
 def workspace_root(out: Path) -> Path:

@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("tasks")
     g.add_argument(
+        "--config",
+        type=Path,
+        help="a TOML file setting any of these options by long name (max_steps = 4); "
+        "flags on the command line win. A run folder's run.toml is one",
+    )
+    g.add_argument(
         "--tasks",
         help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
         "or a Hugging Face dataset name (required, except with --engine sim)",

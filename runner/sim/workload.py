@@ -24,6 +24,7 @@ from typing import Any
 
 from ..engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span, span_ids
 from ..tasks import Task
+from ..toolcall import format_call
 
 SYSTEM_SEED = 0
 TRACE_FORMAT = "concur-trace"
@@ -202,7 +203,7 @@ class SimModel:
                     "seed": _seed(agent, k + 1) + 512,
                 },
             }
-        call_ids = self.tok.encode(f"<tool_call>{json.dumps(call)}</tool_call>")
+        call_ids = self.tok.encode(format_call(call["name"], call["arguments"]))
         pad = trace.steps[k].gen_tokens - len(call_ids) - 1
         filler = span_ids(pad, _seed(agent, k + 1)) if pad > 0 else []
         return [*filler, *call_ids, EOS_ID]

@@ -43,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
         description="Run LLM agents over a task dataset behind an agent-level admission gate.",
+        epilog="Reports: python run.py report RUN [RUN ...] [--json] [--plot] [--html OUT.html] "
+        "(python run.py report --help; docs/report.md).",
         formatter_class=_Formatter,
     )
     g = p.add_argument_group("tasks")
     g.add_argument(
         "--config",
         type=Path,
+        metavar="FILE",
         help="a TOML file setting any of these options by long name (max_steps = 4); "
         "flags on the command line win. A run folder's run.toml is one",
     )

@@ -14,7 +14,7 @@ from .table import build, render
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py report",
-        description="Report on run folders: a per-task table, the solve rate with its 95%% "
+        description="Report on run folders: a per-task table, the solve rate with its 95% "
         "interval, pass@k over samples, engine and gate figures; with two or more runs of "
         "one dataset, the tasks that changed outcome and the rate difference against the "
         "first run (docs/report.md).",

@@ -103,6 +103,7 @@ class Batch:
             )
         self.totals = Totals()
         self.progress = progress
+        self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -182,6 +183,7 @@ class Batch:
             hit=t.cached / t.prompt if t.prompt else None,
             u=last.get("u"),
             h=last.get("h"),
+            step_budget=self._step_budget,
         )
 
     async def _run_one(self, index: int, task: Task) -> None:
@@ -286,6 +288,8 @@ class Batch:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
         self.store.add_trajectory(record)
         self._count(record)
+        # the budget it left unused is no longer ahead of the batch (the progress ETA)
+        self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 
     def _dispose(self, ws: Path) -> None:
         if not ws.exists():  # never created (the task failed before its workspace)

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS, Tool, ToolContext, get_tools
+from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
-from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
+from tools.registry import DEFAULT_TOOLS, get_tools
+from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, remove_tree
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
@@ -42,7 +43,7 @@ class BatchConfig:
     max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
-    # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
+    # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
     # their own (runner/sim/tools.py), so a real run never sees the simulated tool.
     tool_registry: Mapping[str, Callable[[], Tool]] | None = None
     control_period: float = DEFAULT_CONTROL_PERIOD
@@ -81,7 +82,7 @@ class Batch:
         self,
         tasks: list[Task],
         engine: Engine,
-        sandbox: Sandbox,
+        sandbox: CommandSandbox,
         policy: Policy,
         store: RunStore,
         config: BatchConfig,
@@ -396,7 +397,7 @@ class _SetupFailed(Exception):
 
 
 async def evaluate(
-    sandbox: Sandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
+    sandbox: CommandSandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
 ) -> dict[str, Any] | None:
     """Run the task's `eval` command in a fresh sandbox over the workspace as it is now.
     None when the task has no eval (or the workspace is gone)."""

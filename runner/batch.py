@@ -39,7 +39,8 @@ ENGINE_FAILURE_LIMIT = 5
 
 @dataclass
 class BatchConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # for tasks that set none
+    max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
     # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
@@ -101,6 +102,7 @@ class Batch:
             )
         self.totals = Totals()
         self.progress = progress
+        self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -180,6 +182,7 @@ class Batch:
             hit=t.cached / t.prompt if t.prompt else None,
             u=last.get("u"),
             h=last.get("h"),
+            step_budget=self._step_budget,
         )
 
     async def _run_one(self, index: int, task: Task) -> None:
@@ -206,7 +209,7 @@ class Batch:
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=_sampling_for(self.config.sampling, task),
-                max_steps=task.max_steps or self.config.max_steps,
+                max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
@@ -247,6 +250,11 @@ class Batch:
             )
             self._count({"status": "error"})
 
+    def _max_steps(self, task: Task) -> int:
+        steps = task.max_steps or self.config.max_steps
+        cap = self.config.max_steps_cap
+        return steps if cap is None else min(steps, cap)
+
     async def _finish_record(
         self,
         task: Task,
@@ -279,6 +287,8 @@ class Batch:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
         self.store.add_trajectory(record)
         self._count(record)
+        # the budget it left unused is no longer ahead of the batch (the progress ETA)
+        self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 
     def _dispose(self, ws: Path) -> None:
         if not ws.exists():  # never created (the task failed before its workspace)

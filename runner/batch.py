@@ -27,6 +27,7 @@ from .policies import Policy
 from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
 from .store import RunStore
+from .swebench import checkout, evaluate_swe
 from .tasks import Task
 from .workspace import populate
 
@@ -308,6 +309,8 @@ class Batch:
         remove_tree(ws)  # left by an interrupted run: start clean
         ws.mkdir(parents=True)
         source = Path(task.workspace) if task.workspace else None
+        if task.swe is not None:  # a clone of the task's repository at its base commit
+            await asyncio.to_thread(checkout, ws, task.swe, self.config.limits.workspace_bytes)
         if source is not None or task.files:  # off the loop: copies can be large
             await asyncio.to_thread(
                 populate, ws, source, task.files, self.config.limits.workspace_bytes
@@ -394,11 +397,20 @@ class _SetupFailed(Exception):
 async def evaluate(
     sandbox: CommandSandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
 ) -> dict[str, Any] | None:
-    """Run the task's `eval` command in a fresh sandbox over the workspace as it is now.
-    None when the task has no eval (or the workspace is gone)."""
-    if not task.eval or not workspace.exists():
+    """Run the task's `eval` command (or its SWE-bench tests) in a fresh sandbox over the
+    workspace as it is now. None when the task has no eval (or the workspace is gone)."""
+    swe = task.swe if task.swe is not None and task.swe.evaluates else None
+    if not (task.eval or swe) or not workspace.exists():
         return None
     limits = Limits(**{**asdict(limits), "timeout_s": timeout})
+    if swe is not None:
+        try:
+            return await evaluate_swe(sandbox, swe, workspace, uid, limits)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # as below: a record, never the batch's end
+            return {"kind": "swe-bench", "solved": False, "error": f"{type(e).__name__}: {e}"}
+    assert task.eval is not None
     try:
         r = await sandbox.run(task.eval, workspace, uid, limits)
     except asyncio.CancelledError:

@@ -1,16 +1,26 @@
-"""Task datasets: one task per record, loaded from JSONL/JSON/Parquet/CSV or a Hugging Face
-dataset name. Invalid and duplicate records are reported (file, line, reason) and skipped;
-the valid ones run.
+"""Task datasets: one task per record, loaded from JSONL/JSON/Parquet/CSV, a `save_to_disk`
+folder or a Hugging Face dataset name, through an optional field map (runner/datasets.py).
+Invalid and duplicate records are reported (file, line, reason) and skipped; the valid ones
+run. SWE-bench-style records on a local repository: runner/swebench.py.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import swebench
+from .datasets import (
+    BadRecord,
+    MissingField,
+    apply_field_map,
+    is_saved_dataset,
+    read_csv,
+    read_saved_dataset,
+)
+from .swebench import SweSpec
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SHIPPED = Path(__file__).resolve().parent.parent / "tasks"
@@ -28,6 +38,7 @@ KNOWN_FIELDS = {
     "replay",
     "sampling",
     "workspace",
+    *swebench.FIELDS,
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 SAMPLING_FIELDS = {"temperature", "top_p", "max_new_tokens", "stop", "seed"}
@@ -51,12 +62,13 @@ class Task:
     raw: dict[str, Any] = field(default_factory=dict)
     workspace: str | None = None  # absolute path of a directory or archive to start from
     sampling: dict[str, Any] = field(default_factory=dict)  # overrides of the run's sampling
+    swe: SweSpec | None = None  # a SWE-bench-style record on a local repository
 
 
 @dataclass
 class RecordError:
     source: str
-    line: int  # 1-based record number (the line in JSONL files)
+    line: int  # 1-based: the line a JSONL or CSV record starts on, else the record number
     task_id: str | None
     reason: str
 
@@ -71,10 +83,18 @@ class RecordError:
 
 
 def resolve_source(spec: str) -> tuple[str, str]:
-    """-> (kind, location): kind is a `datasets` builder ("json", "csv", "parquet") or "hub"."""
+    """-> (kind, location): kind is a `datasets` builder ("json", "csv", "parquet"), "disk"
+    (a `save_to_disk` folder) or "hub"."""
     p = Path(spec)
     candidates = [p] if p.is_absolute() else [p, SHIPPED / p]
     for c in candidates:
+        if is_saved_dataset(c):
+            return "disk", str(c)
+        if c.is_dir():
+            raise TaskSourceError(
+                f"{c} is a directory but not a dataset saved with `save_to_disk` (no "
+                "dataset_dict.json, or state.json and dataset_info.json)"
+            )
         if c.is_file():
             kind = LOCAL_SUFFIXES.get(c.suffix.lower())
             if kind is None:
@@ -88,11 +108,22 @@ def resolve_source(spec: str) -> tuple[str, str]:
     return "hub", spec
 
 
-def _read_records(kind: str, location: str, split: str) -> list[Any]:
+def _read_records(kind: str, location: str, split: str) -> tuple[list[Any], list[int] | None]:
+    """-> (records, the file line of each, where the format has lines)."""
     if kind == "json" and location.lower().endswith(".jsonl"):
-        return _read_jsonl(location)
+        records = _read_jsonl(location)
+        return records, None
     if kind == "csv":
-        return _read_csv(location)
+        try:
+            rows, lines = read_csv(location)
+        except ValueError as e:
+            raise TaskSourceError(f"cannot load tasks: {e}") from None
+        return [_csv_types(r) for r in rows], lines
+    if kind == "disk":
+        try:
+            return [_drop_struct_nulls(r) for r in read_saved_dataset(Path(location), split)], None
+        except ValueError as e:
+            raise TaskSourceError(str(e)) from None
     import datasets  # slow import: only when needed
 
     datasets.disable_progress_bars()
@@ -117,7 +148,7 @@ def _read_records(kind: str, location: str, split: str) -> list[Any]:
         # Arrow structs have one schema for all rows: a key present in any row's object shows
         # up as None in every other row ({"a.py": "x", "b.py": None}). Drop those fillers.
         records = [_drop_struct_nulls(r) for r in records]
-    return records
+    return records, None
 
 
 def _drop_struct_nulls(value: Any) -> Any:
@@ -128,22 +159,11 @@ def _drop_struct_nulls(value: Any) -> Any:
     return value
 
 
-def _read_csv(location: str) -> list[Any]:
-    """Every cell as the text it is: a type-inferring reader (pandas, `datasets`) turns an
-    `eval` of "true" into a bool and an id of "007" into 7. Empty cells mean "not given";
-    `max_steps` is the one numeric field."""
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # `files` cells can be large
-    out: list[Any] = []
-    try:
-        with open(location, encoding="utf-8-sig", errors="replace", newline="") as f:
-            for row in csv.DictReader(f):
-                rec = {k: v for k, v in row.items() if isinstance(k, str) and v not in ("", None)}
-                if "max_steps" in rec:
-                    rec["max_steps"] = _number(rec["max_steps"])
-                out.append(rec)
-    except csv.Error as e:
-        raise TaskSourceError(f"cannot load tasks from {location!r}: bad CSV: {e}") from None
-    return out
+def _csv_types(rec: dict[str, Any] | BadRecord) -> Any:
+    """`max_steps` is the one numeric field of a CSV file: every other cell stays text."""
+    if isinstance(rec, dict) and "max_steps" in rec:
+        rec["max_steps"] = _number(rec["max_steps"])
+    return rec
 
 
 def _number(text: str) -> Any:
@@ -173,9 +193,7 @@ def _read_jsonl(location: str) -> list[Any]:
     return out
 
 
-@dataclass
-class _Bad:
-    reason: str
+_Bad = BadRecord
 
 
 def _norm(key: str, value: Any) -> Any:
@@ -201,14 +219,21 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     if isinstance(tid, int) and not isinstance(tid, bool):
         tid = str(tid)
     if tid is None or (isinstance(tid, str) and not tid.strip()):
-        raise ValueError('missing or empty "id"')
+        fields = ", ".join(sorted(map(str, rec))) or "no fields"
+        raise ValueError(
+            f'missing or empty "id" (the record has {fields}; --field-map id=FIELD names '
+            "the one to use)"
+        )
     if not isinstance(tid, str):
         raise ValueError(f'"id" must be a string or an integer, got {type(tid).__name__}')
     if any(c in tid for c in "/\\\0") or tid in (".", ".."):
         raise ValueError(f'"id" {tid!r} must not contain "/", "\\" or NUL')
     prompt, msgs, system = rec.get("prompt"), rec.get("messages"), rec.get("system")
     if (prompt is None) == (msgs is None):
-        raise ValueError('exactly one of "prompt" or "messages" is required')
+        raise ValueError(
+            'exactly one of "prompt" or "messages" is required'
+            + ("" if msgs is not None else " (--field-map prompt=FIELD names the one to use)")
+        )
     if system is not None and not isinstance(system, str):
         raise ValueError('"system" must be a string')
     messages: list[dict[str, str]] = []
@@ -281,6 +306,7 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ):
         raise ValueError('"replay" must be a list of assistant message strings')
     workspace = _workspace_source(rec.get("workspace"), base)
+    swe = swebench.parse_spec(rec, base)
     sampling = rec.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise ValueError('"sampling" must be an object')
@@ -295,7 +321,9 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         )
         if not ok:
             raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
-    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling)
+    return Task(
+        tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling, swe
+    )
 
 
 def _workspace_source(value: Any, base: Path | None) -> str | None:
@@ -336,28 +364,38 @@ def load_tasks(
     limit: int | None = None,
     task_ids: list[str] | None = None,
     split: str = "train",
+    field_map: dict[str, str] | None = None,
 ) -> tuple[list[Task], list[RecordError], str]:
-    """-> (valid tasks in dataset order, record errors, resolved source)."""
+    """-> (valid tasks in dataset order, record errors, resolved source). `field_map`: task
+    field -> record field (--field-map); a field it names that no record has is a
+    TaskSourceError."""
     kind, location = resolve_source(spec)
-    records = _read_records(kind, location, split)
+    records, lines = _read_records(kind, location, split)
     tasks: list[Task] = []
     errors: list[RecordError] = []
     seen: dict[str, int] = {}
     unknown_fields: dict[str, int] = {}
-    for n, rec in enumerate(records, start=1):
+    unmapped: list[RecordError] = []  # records lacking a field the field map reads
+    for i, rec in enumerate(records):
+        n = lines[i] if lines else i + 1
         if rec is _BLANK:
             continue
         if isinstance(rec, _Bad):
             errors.append(RecordError(location, n, None, rec.reason))
             continue
         try:
+            rec = swebench.default_map(apply_field_map(rec, field_map or {}))
             task = validate(rec, None if kind == "hub" else Path(location).parent)
         except ValueError as e:
             tid = rec.get("id") if isinstance(rec, dict) else None
-            errors.append(RecordError(location, n, tid if isinstance(tid, str) else None, str(e)))
+            err = RecordError(location, n, tid if isinstance(tid, str) else None, str(e))
+            errors.append(err)
+            if isinstance(e, MissingField):
+                unmapped.append(err)
             continue
         for k in rec:
-            if k not in KNOWN_FIELDS:
+            known = k in KNOWN_FIELDS or k in swebench.SWEBENCH_COLUMNS
+            if not known or (k == "repo" and task.swe is None):
                 unknown_fields[k] = unknown_fields.get(k, 0) + 1
         if task.id in seen:
             errors.append(
@@ -371,6 +409,12 @@ def load_tasks(
             continue
         seen[task.id] = n
         tasks.append(task)
+    if unmapped and not tasks:  # a field map that fits no record: the run cannot start
+        first = unmapped[0]
+        raise TaskSourceError(
+            f"{first.source}:{first.line}: {first.reason} ({len(unmapped)} records lack a "
+            "mapped field, and no record is valid)"
+        )
     if task_ids:
         wanted = set(task_ids)
         missing = wanted - set(seen)

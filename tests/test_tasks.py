@@ -363,10 +363,10 @@ def test_csv_keeps_text_as_text_and_reports_bad_rows(tmp_path):
         ("multi", "line one\nline two", 12, None),
     ]
     assert tasks[0].files == {"a.py": "1"}
-    assert [(e.line, e.task_id) for e in errors] == [
-        (2, "bad-steps"),
-        (3, "frac"),
-        (5, "missing-prompt"),
+    assert [(e.line, e.task_id) for e in errors] == [  # file lines (multi spans 5-6)
+        (3, "bad-steps"),
+        (4, "frac"),
+        (7, "missing-prompt"),
     ]
     assert all("max_steps" in e.reason for e in errors[:2])
     assert "prompt" in errors[2].reason

@@ -21,12 +21,13 @@ from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
+from ..datasets import parse_field_map
 from ..engine import ConstrainedDecoding, Engine, SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
-from ..tasks import RecordError, Task, load_tasks
+from ..tasks import KNOWN_FIELDS, RecordError, Task, load_tasks
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
 from .engines import ENGINES, EngineSetup
@@ -196,8 +197,9 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     if not args.tasks:
         raise ValueError("--tasks is required (a dataset file or a Hugging Face dataset name)")
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
-    tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
-    local = Path(source).is_file()
+    fmap = parse_field_map(args.field_map, KNOWN_FIELDS) if args.field_map else None
+    tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split, fmap)
+    local = Path(source).exists()  # a file or a save_to_disk folder
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
         max_steps=args.max_steps or BatchConfig.max_steps,

@@ -12,10 +12,12 @@ from tools.sandbox import Limits
 
 from ..batch import BatchConfig
 from ..control import DEFAULT_CONTROL_PERIOD
+from ..datasets import FieldMapError, parse_field_map
 from ..engines.sglang import add_sglang_arguments
 from ..gate import PAUSE_RULES, RESUME_RULES
 from ..policies import AIMD, describe
 from ..policies import REGISTRY as POLICIES
+from ..tasks import KNOWN_FIELDS
 from .engines import ENGINE_NAMES
 
 AIMD_FLAGS = {  # AIMD field -> its flag
@@ -39,6 +41,20 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
+class _OptionError(argparse.ArgumentTypeError, ValueError):
+    """argparse shows its message as it is; a config file's check catches it as a
+    ValueError."""
+
+
+def field_map_option(text: str) -> str:
+    """--field-map, checked when parsed; kept as the text (run.toml writes it back)."""
+    try:
+        parse_field_map(text, KNOWN_FIELDS)
+    except FieldMapError as e:
+        raise _OptionError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
@@ -60,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
         "or a Hugging Face dataset name (required, except with --engine sim)",
     )
-    g.add_argument("--split", default="train", help="split, for hub datasets")
+    g.add_argument(
+        "--field-map",
+        type=field_map_option,
+        metavar="TASK=RECORD,...",
+        help="read task fields from other record fields (id=instance_id,prompt=problem_statement;"
+        " docs/datasets.md); SWE-bench's instance_id and problem_statement are read without one",
+    )
+    g.add_argument(
+        "--split", default="train", help="split, for hub datasets and save_to_disk folders"
+    )
     g.add_argument("--limit", type=int, help="run only the first N valid tasks")
     g.add_argument("--task-ids", help="comma-separated task ids to run")
     g.add_argument(

@@ -376,6 +376,7 @@ def load_tasks(
     seen: dict[str, int] = {}
     unknown_fields: dict[str, int] = {}
     unmapped: list[RecordError] = []  # records lacking a field the field map reads
+    swe_bad: list[RecordError] = []  # invalid SWE-bench records (instance_id, ...)
     for i, rec in enumerate(records):
         n = lines[i] if lines else i + 1
         if rec is _BLANK:
@@ -383,6 +384,7 @@ def load_tasks(
         if isinstance(rec, _Bad):
             errors.append(RecordError(location, n, None, rec.reason))
             continue
+        swe_like = isinstance(rec, dict) and "instance_id" in rec
         try:
             rec = swebench.default_map(apply_field_map(rec, field_map or {}))
             task = validate(rec, None if kind == "hub" else Path(location).parent)
@@ -392,6 +394,8 @@ def load_tasks(
             errors.append(err)
             if isinstance(e, MissingField):
                 unmapped.append(err)
+            elif swe_like:
+                swe_bad.append(err)
             continue
         for k in rec:
             known = k in KNOWN_FIELDS or k in swebench.SWEBENCH_COLUMNS
@@ -414,6 +418,12 @@ def load_tasks(
         raise TaskSourceError(
             f"{first.source}:{first.line}: {first.reason} ({len(unmapped)} records lack a "
             "mapped field, and no record is valid)"
+        )
+    if swe_bad and not tasks:  # SWE-bench records none of which can run: say why, exit 1
+        first = swe_bad[0]
+        raise TaskSourceError(
+            f"{first.source}:{first.line}: {first.reason} (no SWE-bench record of this "
+            f"dataset is valid: {len(swe_bad)} invalid)"
         )
     if task_ids:
         wanted = set(task_ids)

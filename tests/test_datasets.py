@@ -128,6 +128,7 @@ def test_swebench_records_none_valid_exit_nonzero_with_the_reason(tmp_path):
 
 def test_save_to_disk_folders_load_as_datasets(tmp_path):
     import datasets
+
     rows = [{"id": "a", "prompt": "p1", "eval": "true"}, {"id": "b", "prompt": "p2", "eval": "x"}]
     ds = datasets.Dataset.from_list(rows)
     ds.save_to_disk(str(tmp_path / "one"))
@@ -137,7 +138,7 @@ def test_save_to_disk_folders_load_as_datasets(tmp_path):
     datasets.DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk(str(tmp_path / "dd"))
     tasks, _, _ = load_tasks(str(tmp_path / "dd"), split="test")
     assert [t.id for t in tasks] == ["b"]
-    with pytest.raises(TaskSourceError, match="no split 'dev'.*train, test"):
+    with pytest.raises(TaskSourceError, match=r"no split 'dev'.*train, test"):
         load_tasks(str(tmp_path / "dd"), split="dev")
     (tmp_path / "plain").mkdir()
     with pytest.raises(TaskSourceError, match="not a dataset saved with `save_to_disk`"):

@@ -16,6 +16,7 @@ from typing import Any
 
 from .batch import Batch, EngineDead
 from .engine import Engine
+from .store import RunStore
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -77,7 +78,9 @@ def execute(
             interrupted=interrupted,
             config=config,
         )
-        batch.store.write_summary(summary)
+        store = batch.store
+        assert isinstance(store, RunStore), "a session's batch writes to a run folder"
+        store.write_summary(summary)
     return Outcome(summary, code)
 
 

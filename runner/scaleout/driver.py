@@ -114,6 +114,8 @@ class Driver:
         self.handling_seconds = 0.0  # the driver's work on records: checks, writes, syncs
         self.records = 0
         self.t_first_task: float | None = None
+        self._started = 0
+        self._all_started = asyncio.Event()  # no task is handed out before every worker is up
         self.t_last_record: float | None = None
 
     # ---- the run ----------------------------------------------------------------------
@@ -160,16 +162,29 @@ class Driver:
 
     async def _life(self, h: Handle) -> None:
         try:
+            started = await self._start(h)
+        finally:
+            self._started += 1
+            if self._started == len(self.handles):
+                self._all_started.set()
+        if started:
+            # Every worker starts with its share: the first one up (or, on virtual time, the
+            # first to finish) must not take what the others are there for.
+            await self._all_started.wait()
+            await self._serve(h)
+
+    async def _start(self, h: Handle) -> bool:
+        try:
             await asyncio.wait_for(h.actor.pid.remote(), PLACE_TIMEOUT_S)
             node = await h.actor.node_id.remote()
-            h.info = await h.actor.start.remote(node)
+            h.info = await h.actor.start.remote(node, self._share())
         except TimeoutError:
             self._lose(h, f"not placed within {PLACE_TIMEOUT_S:.0f}s (`ray status`: resources)")
             self.ray.kill(h.actor)
-            return
+            return False
         except self.ray.exceptions.RayError as e:
             self._lose(h, f"could not start: {_brief(e)}")
-            return
+            return False
         log.info(
             "worker %d: pid %d on %s (node %s), engine %s",
             h.index,
@@ -178,7 +193,7 @@ class Driver:
             h.info.node_id[:12],
             h.info.engine,
         )
-        await self._serve(h)
+        return True
 
     async def _serve(self, h: Handle) -> None:
         feed = Feed(coming=self._share())
@@ -272,7 +287,7 @@ class Driver:
         want = h.want
         if want is None:
             return Feed(coming=self._share())
-        tasks = self.ledger.take(h.index, want.n)
+        tasks = self.ledger.take(h.index, min(want.n, self._share()))
         if tasks:
             h.want = None
             if self.t_first_task is None:

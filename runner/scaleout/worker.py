@@ -214,8 +214,10 @@ class Worker:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def start(self, node_id: str) -> WorkerInfo:
-        """Build the engine, sandbox and batch on this node and start the batch's thread."""
+    def start(self, node_id: str, coming: int) -> WorkerInfo:
+        """Build the engine, sandbox and batch on this node and start the batch's thread.
+        `coming`: the tasks this worker may get (its gate's first window is sized on them,
+        as a single-process gate is on the whole batch)."""
         logging.getLogger("concur").setLevel(self.spec.log_level)
         built = self.spec.make_engine()
         config = dataclasses.replace(
@@ -225,6 +227,7 @@ class Worker:
         attempts: dict[str, str] = {}
         kind = BlockingSource if self.spec.virtual_time else AsyncSource
         source = kind(self.outbox, built.engine, attempts)
+        source.deliver(Feed(coming=coming))
         self._source = source
         sink = RelaySink(self.outbox, attempts)
         batch = Batch([], built.engine, sandbox, self.spec.policy, sink, config,

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def run_on_ray(
             config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         )
     except RayUnavailable as e:
-        print(f"run.py: error: {e}", flush=True)
+        print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         log.error("%s", e)
         return 2
     s = outcome.summary

@@ -21,6 +21,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from runner.scaleout.protocol import EngineBuild, WorkerSpec, worker_uid_base
 from runner.sim.tools import NullSandbox
 from runner.store import RunStore
 from runner.tasks import Task
-from tools.core import Observation, Submit, ToolContext
+from tools.core import Observation, Tool, ToolContext
+from tools.submit import Submit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,7 +64,7 @@ class Sleep:
         return Observation("done waiting")
 
 
-TOOLS = {"sleep": Sleep, "submit": Submit}
+TOOLS: dict[str, Callable[[], Tool]] = {"sleep": Sleep, "submit": Submit}
 
 
 def make_tasks(n: int, steps: int, seconds: float) -> list[Task]:
@@ -96,14 +98,14 @@ def spec(cap: int, root: Path, index: int) -> WorkerSpec:
         config=config(root / f"ws-{index}", worker_uid_base(200000, index)),
         policy=AgentCap(cap),
         make_engine=replay_engine,
-        make_sandbox=NullSandbox,  # type: ignore[arg-type]
+        make_sandbox=NullSandbox,
     )
 
 
 def single_process(tasks: list[Task], cap: int, out: Path) -> dict[str, Any]:
     store = RunStore(out)
     engine = ReplayEngine(scripts_from_tasks(tasks))
-    batch = Batch(tasks, engine, NullSandbox(), AgentCap(cap), store, config())  # type: ignore[arg-type]
+    batch = Batch(tasks, engine, NullSandbox(), AgentCap(cap), store, config())
     t0 = time.monotonic()
     asyncio.run(batch.run())
     span = time.monotonic() - t0
@@ -147,9 +149,9 @@ def on_ray(address: str, tasks: list[Task], workers: int, cap: int, out: Path) -
     }
 
 
-def fsync_ms(n: int = 200) -> float:
-    """What one append + fsync costs on this disk (the floor of a durable record)."""
-    with tempfile.NamedTemporaryFile(dir=RESULTS.parent) as f:
+def fsync_ms(where: Path, n: int = 200) -> float:
+    """What one append + fsync costs on the run folders' disk (a durable record's floor)."""
+    with tempfile.NamedTemporaryFile(dir=where) as f:
         t0 = time.perf_counter()
         for _ in range(n):
             f.write(b"x" * 200 + b"\n")
@@ -186,7 +188,7 @@ def main() -> None:
     for r in rows:
         r["ratio_vs_1_worker"] = round(r["tasks_per_s"] / one, 3)
     result = {
-        "fsync_ms": fsync_ms(),
+        "fsync_ms_on_run_folder_disk": fsync_ms(Path(tempfile.gettempdir())),
         "workload": {
             "tasks": args.tasks,
             "tool_calls_per_task": args.steps,

@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import AGENT_UID_BASE, Sandbox, make_sandbox
+from tools.sandbox import AGENT_UID_BASE, CommandSandbox, make_sandbox
 
 from ..batch import BatchConfig
 from ..policies import Policy
@@ -124,10 +124,10 @@ def build_engine(args: argparse.Namespace) -> EngineBuild:
     return EngineBuild(setup.engine, setup.why, constrain)
 
 
-def null_sandbox() -> Sandbox:
+def null_sandbox() -> CommandSandbox:
     from ..sim.tools import NullSandbox
 
-    return NullSandbox()  # type: ignore[return-value]
+    return NullSandbox()
 
 
 def run_virtual(coro: Coroutine[Any, Any, None]) -> None:

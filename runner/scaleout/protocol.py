@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.sandbox import Sandbox
+from tools.sandbox import CommandSandbox
 
 from ..batch import BatchConfig
 from ..engine import Engine
@@ -113,7 +113,7 @@ class WorkerSpec:
     config: BatchConfig  # uid_base and workspace_root are this worker's own
     policy: Policy
     make_engine: Callable[[], EngineBuild]
-    make_sandbox: Callable[[], Sandbox]
+    make_sandbox: Callable[[], CommandSandbox]
     # asyncio.run, or the simulator's virtual time (runner/sim/vclock.py)
     run_loop: Callable[[Coroutine[Any, Any, None]], None] | None = None
     virtual_time: bool = False

@@ -90,6 +90,7 @@ class Agent:
     ids: list[int] = field(default_factory=list)
     seen: int = 0  # how many of self.ids the engine has already had (as prompt or output)
     constrain_tool_calls: bool = False  # ask the engine for exactly one well-formed call
+    in_tool: bool = False  # a tool call is running (for the progress display)
 
     async def run(self) -> tuple[str, str, str | None]:
         """Run to the end. -> (status, reason, final answer). Engine failures propagate."""
@@ -156,11 +157,13 @@ class Agent:
         if problem:
             return Observation(problem, ok=False)
         t0 = _now()
+        self.in_tool = True
         try:
             return await tool(call.arguments, self.tool_ctx)
         except Exception as e:  # a tool bug must not kill the agent
             return Observation(f"{call.name} failed: {type(e).__name__}: {e}", ok=False)
         finally:
+            self.in_tool = False
             step.tool_seconds = _now() - t0
 
     def observe(self, text: str, eos_text: str) -> None:

@@ -27,7 +27,7 @@ from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
 from .engine import CacheStats, DataParallel, Engine, EngineError, Generation, SamplingParams
 from .gate import AdmissionGate, Gate
 from .policies import Policy
-from .progress import BatchStatus, Progress
+from .progress import ROWS_MAX, BatchStatus, Progress, TaskRow
 from .ranked_gate import RankedGate
 from .swebench import checkout, evaluate_swe
 from .tasks import Task
@@ -151,6 +151,10 @@ class Batch:
         self.progress = progress
         self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._engine_failures = 0  # consecutive agents that failed on the engine
+        # for the progress rows: the agents so far, when each started, how each ended
+        self._agents: dict[str, Agent] = {}
+        self._started: dict[str, float] = {}
+        self._ended: dict[str, tuple[str, float]] = {}
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
             self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
@@ -266,11 +270,45 @@ class Batch:
             u=last.get("u"),
             h=last.get("h"),
             step_budget=self._step_budget,
+            rows=self._rows() if len(self.todo) <= ROWS_MAX else (),
         )
+
+    def _rows(self) -> tuple[TaskRow, ...]:
+        try:  # loop time: virtual in simulations
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:  # asked after the batch (no loop): unfinished agents show 0 s
+            now = None
+        rows = []
+        for task in self.todo:
+            agent = self._agents.get(task.id)
+            steps = agent.steps if agent else []
+            if task.id in self._ended:
+                status, seconds = self._ended[task.id]
+                state = f"done {status}"
+            else:
+                start = self._started.get(task.id)
+                seconds = 0.0 if now is None or start is None else now - start
+                if agent is None:
+                    state = "setup" if task.id in self._started else "pending"
+                else:
+                    state = "in tool" if agent.in_tool else self.gate.state(task.id)
+            rows.append(
+                TaskRow(
+                    task_id=task.id,
+                    state=state,
+                    step=len(steps),
+                    max_steps=self._max_steps(task),
+                    context_tokens=len(agent.ids) if agent else 0,
+                    generated_tokens=sum(s.completion_tokens for s in steps),
+                    last_tool=next((s.tool for s in reversed(steps) if s.tool), None),
+                    seconds=seconds,
+                )
+            )
+        return tuple(rows)
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
-        t0 = asyncio.get_running_loop().time()
+        t0 = self._started[task.id] = asyncio.get_running_loop().time()
         uid = self.config.uid_base + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
@@ -296,6 +334,7 @@ class Batch:
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
+            self._agents[task.id] = agent
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:
             raise  # interrupted: not recorded, so it runs again on resume
@@ -332,6 +371,7 @@ class Batch:
                 }
             )
             self._count({"status": "error"})
+            self._ended[task.id] = ("error", asyncio.get_running_loop().time() - t0)
 
     def _max_steps(self, task: Task) -> int:
         steps = task.max_steps or self.config.max_steps
@@ -370,6 +410,7 @@ class Batch:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
         self.store.add_trajectory(record)
         self._count(record)
+        self._ended[task.id] = (status, record["seconds"])
         # the budget it left unused is no longer ahead of the batch (the progress ETA)
         self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 

@@ -75,6 +75,10 @@ class AdmissionGate(Protocol):
 
     def counts(self) -> dict[str, int]: ...
 
+    def state(self, key: str) -> str:
+        """One agent's state for a display: pending, active, paused, idle or done."""
+        ...
+
 
 class ControlledGate(Protocol):
     """One window as its controller sees it: public state in, a new size out."""
@@ -262,6 +266,12 @@ class Gate:
             "idle": n["idle"],
             "unfinished": len(self._agents) - n["done"],
         }
+
+    def state(self, key: str) -> str:
+        a = self._agents.get(key)
+        if a is None:
+            return "pending"
+        return {"marked": "active"}.get(a.state, a.state)  # marked: active until its boundary
 
     def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Context tokens of the agents that hold a slot, in the order they keep it (oldest

@@ -1,4 +1,5 @@
-"""Progress: a live rich line on a terminal, plain periodic log lines otherwise."""
+"""Progress: on a terminal, a live rich summary line with a row per task under it (batches of
+up to ROWS_MAX agents); otherwise the summary line, logged periodically."""
 
 from __future__ import annotations
 
@@ -8,8 +9,29 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 log = logging.getLogger("concur")
+ROWS_MAX = 50  # per-task rows for batches up to this many agents; larger ones: the line only
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One agent as the display shows it."""
+
+    task_id: str
+    # pending, setup, active, paused, idle (between requests under request-cap), in tool,
+    # or "done <status>"
+    state: str
+    step: int  # steps started
+    max_steps: int
+    context_tokens: int
+    generated_tokens: int
+    last_tool: str | None
+    seconds: float  # since the agent started (its workspace setup), to its end when done
 
 
 @dataclass(frozen=True)
@@ -28,6 +50,7 @@ class BatchStatus:
     u: float | None  # the latest control period's signals
     h: float | None
     step_budget: int = 0  # the steps this session's agents may take at most, all together
+    rows: tuple[TaskRow, ...] = ()  # per task, for batches of up to ROWS_MAX agents
 
 
 def render(s: BatchStatus, elapsed: float) -> str:
@@ -52,6 +75,43 @@ def eta(s: BatchStatus, elapsed: float) -> str:
         left = max(0, s.step_budget - s.steps)
         return f"<={elapsed / s.steps * left:.0f}s"
     return f"{elapsed / s.done * (s.total - s.done):.0f}s" if s.done else "-"
+
+
+def render_rows(rows: tuple[TaskRow, ...]) -> RenderableType:
+    """The per-task table (rich)."""
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, justify in [
+        ("task", "left"),
+        ("state", "left"),
+        ("step", "right"),
+        ("context", "right"),
+        ("gen tok", "right"),
+        ("last tool", "left"),
+        ("seconds", "right"),
+    ]:
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(
+            r.task_id,
+            r.state,
+            f"{r.step}/{r.max_steps}",
+            f"{r.context_tokens:,}",
+            f"{r.generated_tokens:,}",
+            r.last_tool or "-",
+            f"{r.seconds:.0f}",
+        )
+    return table
+
+
+def render_live(s: BatchStatus, elapsed: float) -> RenderableType:
+    """What the terminal shows: the summary line, the task rows under it."""
+    from rich.console import Group
+    from rich.text import Text
+
+    line = Text(render(s, elapsed))
+    return Group(line, render_rows(s.rows)) if s.rows else line
 
 
 class Progress:
@@ -83,7 +143,7 @@ class Progress:
         with Live(console=Console(stderr=True), refresh_per_second=4, transient=True) as live:
             try:
                 while True:
-                    live.update(line())
+                    live.update(render_live(status(), time.monotonic() - t0))
                     await asyncio.sleep(0.5)
             finally:
                 log.info(line())

@@ -70,6 +70,10 @@ class RankedGate:
         self.gates[r].finish(key)
         self._dispatch()
 
+    def state(self, key: str) -> str:
+        r = self.rank.get(key)
+        return "pending" if r is None else self.gates[r].state(key)
+
     # ---- what the controllers use ---------------------------------------------------------
 
     def resize(self, rank: int, window: int) -> int:

@@ -255,9 +255,10 @@ def parameters(cls: type[Policy]) -> dict[str, tuple[type, Any]]:
 
 
 def describe(cls: type[Policy]) -> str:
-    """`name:key=default,...` for help texts; a parameter without default shows as <key>."""
+    """`name:key=default,...` for help texts; a parameter without default shows as <key>,
+    an optional one whose default depends on others (None) as [key]."""
     items = [
-        f"<{k}>" if d is dataclasses.MISSING else f"{k}={d}"
+        f"<{k}>" if d is dataclasses.MISSING else f"[{k}]" if d is None else f"{k}={d}"
         for k, (_, d) in parameters(cls).items()
     ]
     return cls.name + (":" + ",".join(items) if items else "")

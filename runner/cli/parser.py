@@ -4,6 +4,7 @@ the dataclass it belongs to."""
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from tools.registry import DEFAULT_TOOLS
@@ -31,14 +32,18 @@ AIMD_FLAGS = {  # AIMD field -> its flag
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default where there is one (never "(default: None)" or of a plain switch)."""
+    """Shows a default where there is one (never "(default: None)" or of a plain switch, but
+    0 and 0.0 are defaults); never breaks a line inside a name (agent-cap, headroom_steps)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in (
-            action.help or ""
-        ):
+        unset = action.default is None or action.default is False or action.default == []
+        if unset or action.default is argparse.SUPPRESS or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action) or ""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 class _OptionError(argparse.ArgumentTypeError, ValueError):
@@ -86,15 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--split", default="train", help="split, for hub datasets and save_to_disk folders"
     )
-    g.add_argument("--limit", type=int, help="run only the first N valid tasks")
-    g.add_argument("--task-ids", help="comma-separated task ids to run")
+    g.add_argument("--limit", type=int, metavar="N", help="run only the first N valid tasks")
+    g.add_argument("--task-ids", metavar="IDS", help="comma-separated task ids to run")
     g.add_argument(
         "--max-steps",
         type=int,
+        metavar="N",
         help="step budget of every task, capping a task's own max_steps too (not given: "
         f"a task's own max_steps, else {BatchConfig.max_steps})",
     )
-    g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
+    g.add_argument(
+        "--out", type=Path, metavar="DIR", help="run folder (default: outputs/<tasks stem>/)"
+    )
     g.add_argument(
         "--keep-errors",
         action="store_true",
@@ -115,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--replay-from",
         type=Path,
+        metavar="RUN",
         help="--engine replay: take each task's assistant turns from this previous run's "
         "trajectories.jsonl (or run folder) instead of the tasks' `replay` lists",
     )
@@ -131,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp prefix-state cache capacity (its 'KV pool'), MiB",
     )
     g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
-    g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--max-new-tokens", type=int, default=256, help="per generation")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: top-p")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens per generation, at most")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument(
         "--constrain-tool-calls",
         choices=["auto", "on", "off"],
@@ -153,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a synthetic workload preset (paper, paper-deepseek-16/32/40, tiny) or a trace "
         "file (.jsonl, see runner/workload.py)",
     )
-    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of a synthetic workload")
     g.add_argument(
         "--sim-deployment",
         default="qwen3-32b-tp8",
@@ -170,24 +179,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--policy",
         default="aimd",
-        help="NAME or NAME:key=value,...; registered (with their defaults): "
+        help="NAME or NAME:key=value,...; registered, with their parameters' defaults (<key>: "
+        "required, [key]: derived from the others): "
         + "; ".join(describe(cls) for cls in POLICIES.values())
         + " (docs/policies.md)",
     )
     aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
-    g.add_argument("--alpha", type=int, help=f"AIMD additive increase (default {aimd.alpha})")
-    g.add_argument("--beta", type=float, help=f"AIMD multiplicative decrease (default {aimd.beta})")
+    g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")
     g.add_argument(
-        "--u-low", type=float, help=f"AIMD: grow while U below this (default {aimd.u_low})"
+        "--beta", type=float, help=f"AIMD: multiplicative decrease (default: {aimd.beta})"
     )
     g.add_argument(
-        "--u-high", type=float, help=f"AIMD: may cut when U above this (default {aimd.u_high})"
+        "--u-low", type=float, help=f"AIMD: grow while U is below this (default: {aimd.u_low})"
     )
     g.add_argument(
-        "--h-thresh", type=float, help=f"AIMD: ... and H below this (default {aimd.h_thresh})"
+        "--u-high",
+        type=float,
+        help=f"AIMD: may cut while U is above this (default: {aimd.u_high})",
     )
-    g.add_argument("--initial-window", type=int, help="AIMD starting window (default 2*alpha)")
-    g.add_argument("--control-period", type=float, default=DEFAULT_CONTROL_PERIOD, help="seconds")
+    g.add_argument(
+        "--h-thresh",
+        type=float,
+        help=f"AIMD: ... and H is below this (default: {aimd.h_thresh})",
+    )
+    g.add_argument(
+        "--initial-window", type=int, metavar="W", help="AIMD: starting window (default: 2*alpha)"
+    )
+    g.add_argument(
+        "--control-period",
+        type=float,
+        default=DEFAULT_CONTROL_PERIOD,
+        help="seconds between control updates (U and H read, the window resized)",
+    )
     g.add_argument(
         "--pause-rule",
         default=BatchConfig.pause_rule,

@@ -32,7 +32,7 @@ def test_help_groups_every_option_lists_every_policy_and_shows_no_none():
     every = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     assert shown == every
     flat = " ".join(text.split())
-    policy_help = flat[flat.index("--policy POLICY") : flat.index("--alpha ALPHA")]
+    policy_help = flat[flat.index("--policy POLICY NAME") : flat.index("--alpha ALPHA AIMD")]
     for name in REGISTRY:  # each one whole, not broken across lines
         assert re.search(rf"[ ;]{re.escape(name)}(:|;| )", policy_help), name
     assert "None" not in text  # no "(default: None)", no "initial=None"

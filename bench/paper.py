@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.policies import WorkingSet, make_policy  # noqa: E402
+from runner.policies import make_policy  # noqa: E402
 from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import synthetic  # noqa: E402
@@ -35,10 +36,6 @@ RUNS = ROOT / "outputs" / "bench-paper"
 REQUEST_CAP = 64  # the paper does not give its request cap; documented in the report
 HICACHE_RATIO = 2.0  # SGLang's default hicache_ratio: host pool = 2 x device pool
 CONTROL_PERIOD = 1.0  # seconds; the paper does not give its period
-# The paper states ~6.67 GB of KV cache per 4,096-token DeepSeek-V3 request (1.63 MB/token);
-# spread over 16 GPUs beside the FP8 weights that leaves ~280K tokens of pool, fewer than
-# the ~452K an MLA cache replicated per GPU would give. Calibrated to the paper's figure.
-ENGINE_OPTIONS = {"deepseek-v3-tp16": {"max_total_tokens": 280_000}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,7 @@ TABLE1 = [
     Config(
         "ds-16",
         "DeepSeek-V3, 16 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-16",
         {"none": 873, "hicache": 2559, "aimd": 521},
         {"none": 80.38, "hicache": 97.48, "request-cap": 69.00, "aimd": 96.38},
@@ -84,7 +81,7 @@ TABLE1 = [
     Config(
         "ds-32",
         "DeepSeek-V3, 32 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-32",
         {"none": 1226, "request-cap": 1367, "hicache": 2277, "aimd": 1018},
         {"none": 77.72, "hicache": 97.13, "request-cap": 68.39, "aimd": 93.65},
@@ -92,7 +89,7 @@ TABLE1 = [
     Config(
         "ds-40",
         "DeepSeek-V3, 40 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-40",
         {"none": 3877, "hicache": 2320, "aimd": 2043},
         {"none": 35.41, "hicache": 96.08, "request-cap": 32.21, "aimd": 73.36},
@@ -213,27 +210,50 @@ def plan(only: str | None, quick: bool) -> list[Run]:
     return runs
 
 
+def engine_options(run: Run) -> dict[str, Any]:
+    """The simulated engine's settings of a run (all of them reachable from the CLI)."""
+    options: dict[str, Any] = {}
+    if run.hicache:
+        options["hicache_ratio"] = HICACHE_RATIO
+    if run.pcie_gbps is not None:
+        options["pcie_bytes_per_s"] = run.pcie_gbps * 1e9
+    if run.hicache_gb is not None:
+        options["hicache_size"] = run.hicache_gb
+    return options
+
+
+def policy_spec(run: Run) -> str:
+    """`--policy` of a run: its name and parameters."""
+    opts = ",".join(f"{k}={v}" for k, v in run.policy_options)
+    return f"{run.policy}:{opts}" if opts else run.policy
+
+
+def cli_args(run: Run, deployment: str, workload: str, seed: int) -> list[str]:
+    """The `run.py` arguments that reproduce a bench run exactly (same simulated seconds)."""
+    argv = ["--engine", "sim", "--workload", workload, "--workload-seed", str(seed)]
+    argv += ["--sim-deployment", deployment, "--policy", policy_spec(run)]
+    argv += ["--control-period", f"{CONTROL_PERIOD:g}"]
+    argv += ["--pause-rule", run.rules[0], "--resume-rule", run.rules[1]]
+    if run.hicache:
+        argv += ["--hicache-ratio", f"{HICACHE_RATIO:g}"]
+    if run.pcie_gbps is not None:
+        argv += ["--hicache-gbps", f"{run.pcie_gbps:g}"]
+    if run.hicache_gb is not None:
+        argv += ["--hicache-size", f"{run.hicache_gb:g}"]
+    return argv
+
+
 def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
     cfg = next(c for c in TABLE1 if c.key == run.config)
     workload = synthetic(cfg.workload, seed=seed)
-    if run.policy == "wset":
-        policy = WorkingSet(**dict(run.policy_options))
-    else:
-        policy = make_policy(run.policy, **dict(run.policy_options))
-    engine_options: dict[str, Any] = dict(ENGINE_OPTIONS.get(cfg.deployment, {}))
-    if run.hicache:
-        engine_options["hicache_ratio"] = HICACHE_RATIO
-    if run.pcie_gbps is not None:
-        engine_options["pcie_bytes_per_s"] = run.pcie_gbps * 1e9
-    if run.hicache_gb is not None:
-        engine_options["hicache_size"] = run.hicache_gb
+    policy = make_policy(policy_spec(run))
     r = simulate(
         workload,
         cfg.deployment,
         policy,
         RUNS / run.name,
-        engine_options=engine_options,
+        engine_options=engine_options(run),
         label=run.system,
         control_period=CONTROL_PERIOD,
         pause_rule=run.rules[0],
@@ -248,6 +268,7 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
         seed=seed,
         work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
         work_tokens=sum(w[1] for _, w in work),
+        cli="python run.py " + shlex.join(cli_args(run, cfg.deployment, cfg.workload, seed)),
     )
     print(
         f"  {run.name:28s} {r.sim_seconds:9.1f} sim s  hit {r.hit_rate}  "
@@ -332,7 +353,9 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         f"`request-cap` uses N={REQUEST_CAP} (the paper does not give its N); `hicache` is "
         f"the uncontrolled engine with a host tier of {HICACHE_RATIO:g}x the device pool. "
         f"Control period {CONTROL_PERIOD:g} s. DeepSeek-V3's pool is capped at 280K tokens "
-        "(calibrated to the paper's 6.67 GB per 4,096 tokens; see bench/paper.py)."
+        "(the `deepseek-v3-tp16-paper` preset, calibrated to the paper's 6.67 GB per 4,096 "
+        "tokens). Every run's `run.py` command line, which reproduces its seconds exactly, is "
+        "its `cli` field in paper.json."
     )
     out += ["", "## Table 1: seconds to finish the batch (paper / simulated)", ""]
     out.append("| configuration | " + " | ".join(SYSTEMS) + " | aimd vs none (paper / sim) |")
@@ -363,10 +386,9 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
     )
     out.append("|---" * (len(SYSTEMS) + 3) + "|")
     for c in TABLE1:
-        opts = ENGINE_OPTIONS.get(c.deployment, {})
         workload = synthetic(c.workload, seed=seed)
-        b = lower_bound(workload, c.deployment, **opts)
-        b_host = lower_bound(workload, c.deployment, host_tier=True, **opts)
+        b = lower_bound(workload, c.deployment)
+        b_host = lower_bound(workload, c.deployment, host_tier=True)
         cells = []
         for s_ in SYSTEMS:
             r = by.get(f"{c.key}-{s_}")

@@ -210,9 +210,7 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     if args.eval_only:
         raise ValueError("--eval-only does not apply to --engine sim")
     workload = load_workload(args.workload, args.workload_seed)
-    options: dict[str, Any] = {}
-    if args.hicache_ratio > 0:
-        options["hicache_ratio"] = args.hicache_ratio
+    options = sim_engine_options(args)
     if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
         options["sessions"] = True
     parts = sim_parts(workload, args.sim_deployment, options)
@@ -228,6 +226,26 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     setup = EngineSetup(parts.engine, f"chosen with --engine sim ({args.sim_deployment})")
     source = f"sim:{workload.name}:{args.workload_seed}"
     return Plan(parts.tasks, [], source, out, config, NullSandbox(), setup, run_virtual)
+
+
+def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated engine's settings from the simulation options (bench/paper.py's
+    `cli_args` writes the same options for each of its runs)."""
+    options: dict[str, Any] = {}
+    cap = args.sim_max_total_tokens
+    if cap is not None:
+        if cap < 1:
+            raise ValueError(f"--sim-max-total-tokens must be >= 1, got {cap}")
+        options["max_total_tokens"] = cap
+    if args.hicache_ratio > 0:
+        options["hicache_ratio"] = args.hicache_ratio
+    if args.hicache_size > 0:
+        options["hicache_size"] = args.hicache_size
+    if args.hicache_gbps is not None:
+        if args.hicache_gbps <= 0:
+            raise ValueError(f"--hicache-gbps must be > 0, got {args.hicache_gbps}")
+        options["pcie_bytes_per_s"] = args.hicache_gbps * 1e9
+    return options
 
 
 # ---- run folder and logging ---------------------------------------------------------------

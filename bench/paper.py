@@ -19,6 +19,7 @@ import multiprocessing as mp
 import shlex
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,11 @@ class Run:
     rules: tuple[str, str] = ("newest", "oldest")
     pcie_gbps: float | None = None  # HiCache reload bandwidth per GPU (None: the preset's)
     hicache_gb: float | None = None  # host tier, GB per rank (None: HICACHE_RATIO x pool)
+    deployment: str = ""  # the simulator preset and workload preset (from the config)
+    workload: str = ""
+
+    def of(self, cfg: Config) -> Run:
+        return dataclasses.replace(self, deployment=cfg.deployment, workload=cfg.workload)
 
 
 def plan(only: str | None, quick: bool) -> list[Run]:
@@ -158,7 +164,7 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                 )
             )
     if quick:
-        return runs
+        return [r.of(next(c for c in TABLE1 if c.key == r.config)) for r in runs]
     if only in (None, "qwen-tp8"):
         for k, values in ROBUSTNESS.items():
             for v in values:
@@ -207,7 +213,8 @@ def plan(only: str | None, quick: bool) -> list[Run]:
             if ul != 0.2:
                 opts = (("u_low", ul),) if ul < 0.5 else (("u_low", ul), ("u_high", 0.5001))
                 runs.append(Run(f"{key}-ulow{ul}", key, f"aimd u_low={ul}", "aimd", opts))
-    return runs
+    by_key = {c.key: c for c in TABLE1}
+    return [r.of(by_key[r.config]) for r in runs]
 
 
 def engine_options(run: Run) -> dict[str, Any]:
@@ -228,10 +235,10 @@ def policy_spec(run: Run) -> str:
     return f"{run.policy}:{opts}" if opts else run.policy
 
 
-def cli_args(run: Run, deployment: str, workload: str, seed: int) -> list[str]:
+def cli_args(run: Run, seed: int) -> list[str]:
     """The `run.py` arguments that reproduce a bench run exactly (same simulated seconds)."""
-    argv = ["--engine", "sim", "--workload", workload, "--workload-seed", str(seed)]
-    argv += ["--sim-deployment", deployment, "--policy", policy_spec(run)]
+    argv = ["--engine", "sim", "--workload", run.workload, "--workload-seed", str(seed)]
+    argv += ["--sim-deployment", run.deployment, "--policy", policy_spec(run)]
     argv += ["--control-period", f"{CONTROL_PERIOD:g}"]
     argv += ["--pause-rule", run.rules[0], "--resume-rule", run.rules[1]]
     if run.hicache:
@@ -245,12 +252,11 @@ def cli_args(run: Run, deployment: str, workload: str, seed: int) -> list[str]:
 
 def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
-    cfg = next(c for c in TABLE1 if c.key == run.config)
-    workload = synthetic(cfg.workload, seed=seed)
+    workload = synthetic(run.workload, seed=seed)
     policy = make_policy(policy_spec(run))
     r = simulate(
         workload,
-        cfg.deployment,
+        run.deployment,
         policy,
         RUNS / run.name,
         engine_options=engine_options(run),
@@ -268,7 +274,7 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
         seed=seed,
         work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
         work_tokens=sum(w[1] for _, w in work),
-        cli="python run.py " + shlex.join(cli_args(run, cfg.deployment, cfg.workload, seed)),
+        cli="python run.py " + shlex.join(cli_args(run, seed)),
     )
     print(
         f"  {run.name:28s} {r.sim_seconds:9.1f} sim s  hit {r.hit_rate}  "

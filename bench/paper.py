@@ -12,6 +12,7 @@ outputs/bench-paper/<run>/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -19,7 +20,6 @@ import multiprocessing as mp
 import shlex
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

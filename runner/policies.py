@@ -8,7 +8,9 @@ registering it; the gate and the agent loop do not change.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import types
 import typing
@@ -211,13 +213,7 @@ class WorkingSet:
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
         budget = self.target * s.capacity_tokens - shared  # the shared prefix, stored once
-        fit = 0
-        for ctx in (*s.held_contexts, *s.waiting_contexts):
-            budget -= max(0, ctx - shared) + growth
-            if budget < 0:
-                break
-            fit += 1
-        fit = max(1, fit)
+        fit = max(1, _fit(s.held_contexts, s.waiting_contexts, shared, growth, budget))
         if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
             return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
         return Decision(fit, "fit")
@@ -226,6 +222,32 @@ class WorkingSet:
         d = asdict(self)
         d.pop("fallback")
         return d
+
+
+def _fit(
+    held: tuple[int, ...], waiting: tuple[int, ...], shared: int, growth: float, budget: float
+) -> int:
+    """How many agents, in order, fit `budget` with `max(0, ctx - shared) + growth` each.
+
+    The running sums are taken in C (itertools.accumulate) and the count found by bisection,
+    so an update stays well under 1% of an engine step at 10,000 agents (bench/gate_bench.py);
+    every term is >= 0, so the sums are monotone. A context below the shared prefix (which
+    the clamp would change) takes the plain loop."""
+    ctxs = held + waiting
+    if not ctxs or budget < 0:
+        return 0
+    if min(ctxs) < shared:
+        fit = 0
+        for ctx in ctxs:
+            budget -= max(0, ctx - shared) + growth
+            if budget < 0:
+                break
+            fit += 1
+        return fit
+    sums = list(itertools.accumulate(ctxs))
+    per = growth - shared  # each agent's term is ctx - shared + growth
+    # the first k whose first k+1 terms pass the budget (a k-agent prefix fits iff its sum does)
+    return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
 
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy

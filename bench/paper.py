@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from runner.policies import make_policy  # noqa: E402
 from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
-from runner.sim.workload import synthetic  # noqa: E402
+from runner.sim.workload import PRESETS, synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RUNS = ROOT / "outputs" / "bench-paper"
@@ -96,16 +96,22 @@ TABLE1 = [
         {"none": 35.41, "hicache": 96.08, "request-cap": 32.21, "aimd": 73.36},
     ),
 ]
-SYSTEMS = ["none", "request-cap", "hicache", "aimd", "wset"]
+SYSTEMS = ["none", "request-cap", "hicache", "aimd", "wset", "wset+hicache"]
 # wset resumes the most recently paused agent first (its KV is likeliest still cached)
-RULES = {"wset": ("newest", "newest")}
-ROBUSTNESS = {  # wset parameters: -50% and +100% of each default, on Qwen TP8
+RULES = {"wset": ("newest", "newest"), "wset+hicache": ("newest", "newest")}
+ROBUST_ROWS = ("qwen-tp8", "qwen-tp4", "qwen-tp2")
+ROBUSTNESS = {  # wset parameters: -50% and +100% of each default, on every Qwen row
     "target": (0.45, 1.8),
     "headroom_steps": (0.5, 2.0),
     "max_recompute": (0.15, 0.6),
     "beta": (0.25, 1.0),
 }
 FIXED_CAPS = {"config": "qwen-tp2", "caps": [30, 32, 64, 128], "paper_best": 1231}
+# The default-policy criterion (issue 16): within CRITERION x the row's lower bound, and never
+# slower than none, aimd or the best of these fixed caps.
+CRITERION = 1.3
+CRITERION_CAPS = (16, 32, 64, 128)
+CANDIDATE = "wset"
 # HiCache variants beside the default (2x host tier, 50 GB/s copy-engine reloads): slower
 # effective reload rates (small-page, CPU-driven copies; see the disagreements section) and a
 # host tier sized like a DGX H100's RAM (2 TB for 8 GPUs: 200 GB per rank).
@@ -152,26 +158,32 @@ def plan(only: str | None, quick: bool) -> list[Run]:
     runs = []
     for c in cfgs:
         for s in SYSTEMS:
-            policy = {"request-cap": f"request-cap:{REQUEST_CAP}", "hicache": "none"}.get(s, s)
+            policy = {
+                "request-cap": f"request-cap:{REQUEST_CAP}",
+                "hicache": "none",
+                "wset+hicache": "wset",
+            }.get(s, s)
             runs.append(
                 Run(
                     f"{c.key}-{s}",
                     c.key,
                     s,
                     policy,
-                    hicache=s == "hicache",
+                    hicache=s.endswith("hicache"),
                     rules=RULES.get(s, ("newest", "oldest")),
                 )
             )
     if quick:
         return [r.of(next(c for c in TABLE1 if c.key == r.config)) for r in runs]
-    if only in (None, "qwen-tp8"):
+    for key in ROBUST_ROWS:
+        if only not in (None, key):
+            continue
         for k, values in ROBUSTNESS.items():
             for v in values:
                 runs.append(
                     Run(
-                        f"qwen-tp8-wset-{k}{v}",
-                        "qwen-tp8",
+                        f"{key}-wset-{k}{v}",
+                        key,
                         f"wset {k}={v}",
                         "wset",
                         ((k, v),),
@@ -201,6 +213,12 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                     f"agent-cap:{n}",
                 )
             )
+    for c in cfgs:  # the fixed caps of the default-policy criterion, on every row
+        for n in CRITERION_CAPS:
+            name = f"{c.key}-cap{n}"
+            # a cap at or above the batch is `none` again
+            if n < PRESETS[c.workload]["agents"] and all(r.name != name for r in runs):
+                runs.append(Run(name, c.key, f"agent-cap:{n}", f"agent-cap:{n}"))
     for key in SWEEP_U_HIGH:
         if only not in (None, key):
             continue
@@ -398,7 +416,7 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         cells = []
         for s_ in SYSTEMS:
             r = by.get(f"{c.key}-{s_}")
-            bound = (b_host if s_ == "hicache" else b)["bound_seconds"]
+            bound = (b_host if s_.endswith("hicache") else b)["bound_seconds"]
             cells.append(_fmt(r and r["sim_seconds"] / bound, 2))
         a, w = by.get(f"{c.key}-aimd"), by.get(f"{c.key}-wset")
         vs = a["sim_seconds"] / w["sim_seconds"] if a and w else None
@@ -408,17 +426,8 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
             + " | ".join(cells)
             + f" | {_fmt(vs, 2)}x |"
         )
-    rob = [r for r in records if r["run"].startswith("qwen-tp8-wset-")]
-    base = by.get("qwen-tp8-wset")
-    if rob and base:
-        out += ["", "## wset robustness (Qwen TP8): each parameter at -50% and +100%", ""]
-        out += ["| parameter | simulated s | vs default |", "|---|---|---|"]
-        out.append(f"| defaults | {base['sim_seconds']:,.0f} | 1.00 |")
-        for r in rob:
-            out.append(
-                f"| {r['system'][5:]} | {r['sim_seconds']:,.0f} | "
-                f"{r['sim_seconds'] / base['sim_seconds']:.2f} |"
-            )
+    out += criterion_section(by, seed)
+    out += robustness_section(by)
     out += _hicache_section(by)
     out += ["", "## Prefix-cache hit rate, % (paper / simulated; device+host hits)", ""]
     out.append("| configuration | " + " | ".join(SYSTEMS) + " |")
@@ -580,6 +589,60 @@ def _hicache_section(by: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def robustness_section(by: dict[str, dict[str, Any]]) -> list[str]:
+    """wset's parameters at -50% / +100%, per Qwen row: the time against the defaults'."""
+    rows = [k for k in ROBUST_ROWS if f"{k}-wset" in by]
+    if not rows:
+        return []
+    out = ["", "## wset robustness: each parameter at -50% and +100% (time / defaults')", ""]
+    out += ["| parameter | " + " | ".join(rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    out.append(
+        "| defaults (s) | "
+        + " | ".join(f"{by[f'{k}-wset']['sim_seconds']:,.0f}" for k in rows)
+        + " |"
+    )
+    worst = 0.0
+    for param, values in ROBUSTNESS.items():
+        for v in values:
+            cells = []
+            for k in rows:
+                r = by.get(f"{k}-wset-{param}{v}")
+                x = r and r["sim_seconds"] / by[f"{k}-wset"]["sim_seconds"]
+                worst = max(worst, abs(x - 1) if x else 0.0)
+                cells.append(_fmt(x, 2))
+            out.append(f"| {param}={v} | " + " | ".join(cells) + " |")
+    out += ["", f"Largest move: {worst:.0%} (criterion: under 15% on every Qwen row)."]
+    return out
+
+
+def criterion_section(by: dict[str, dict[str, Any]], seed: int) -> list[str]:
+    """Issue 16's criterion for the candidate default, row by row."""
+    out = ["", f"## Default-policy criterion: `{CANDIDATE}` on every row", ""]
+    out.append(
+        f"PASS needs `{CANDIDATE}` within {CRITERION}x of the row's lower bound and no slower "
+        "than none, aimd or the best of agent-cap:" + "/".join(map(str, CRITERION_CAPS)) + "."
+    )
+    out += ["", "| row | bound s | candidate s | / bound | best baseline | vs it | verdict |"]
+    out.append("|---" * 7 + "|")
+    for c in TABLE1:
+        cand = by.get(f"{c.key}-{CANDIDATE}")
+        base = [by.get(f"{c.key}-{s}") for s in ("none", "aimd")]
+        base += [by.get(f"{c.key}-cap{n}") for n in CRITERION_CAPS]
+        base = [r for r in base if r]
+        if not cand or not base:
+            continue
+        b = lower_bound(synthetic(c.workload, seed=seed), c.deployment)["bound_seconds"]
+        best = min(base, key=lambda r: r["sim_seconds"])
+        ratio, vs = cand["sim_seconds"] / b, best["sim_seconds"] / cand["sim_seconds"]
+        ok = ratio <= CRITERION and vs >= 1.0
+        out.append(
+            f"| {c.title} | {b:,.0f} | {cand['sim_seconds']:,.0f} | {ratio:.2f} | "
+            f"{best['system']} {best['sim_seconds']:,.0f} | {vs:.2f}x | "
+            f"{'PASS' if ok else 'FAIL'} |"
+        )
+    return out
+
+
 def checks(records: list[dict[str, Any]]) -> list[str]:
     by = {r["run"]: r for r in records}
     out = []
@@ -607,7 +670,12 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
             need = 2.0 if c.key.startswith("qwen") else 1.0
             # three decimals: a 0.2% difference must not read as a clear win
             line(x > need, f"{c.key}: aimd {x:.3f}x faster than none (claim: > {need:g}x)")
-    caps = [r for r in records if r["system"].startswith("agent-cap")]
+    caps = [
+        r
+        for r in records
+        if r["config"] == FIXED_CAPS["config"]
+        and r["system"] in {f"agent-cap:{n}" for n in FIXED_CAPS["caps"]}
+    ]
     aimd = by.get(f"{FIXED_CAPS['config']}-aimd")
     if caps and aimd:
         best = min(caps, key=lambda r: r["sim_seconds"])

@@ -63,6 +63,7 @@ SYSTEMS: dict[str, tuple[str, bool, tuple[str, str]]] = {
     "hicache": ("none", True, ("newest", "oldest")),
     "aimd": ("aimd", False, ("newest", "oldest")),
     "wset": ("wset", False, ("newest", "newest")),
+    "wset+hicache": ("wset", True, ("newest", "newest")),
     **{f"agent-cap:{n}": (f"agent-cap:{n}", False, ("newest", "oldest")) for n in CAPS},
 }
 BASELINES = ("none", "aimd", *(f"agent-cap:{n}" for n in CAPS))
@@ -78,7 +79,7 @@ def plan(only: str | None, systems: list[str] | None) -> list[paper.Run]:
             if systems and name not in systems:
                 continue
             run = paper.Run(
-                f"stress-{row.key}-{name.replace(':', '')}",
+                f"stress-{row.key}-{name.replace(':', '').replace('+', '-')}",
                 row.key,
                 name,
                 spec,  # with its parameters, as --policy takes it
@@ -145,7 +146,7 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         cells = []
         for n in names:
             r = by.get((row.key, n))
-            ref = (bh if n == "hicache" else b)["bound_seconds"]
+            ref = (bh if n.endswith("hicache") else b)["bound_seconds"]
             cells.append(_fmt(r and r["sim_seconds"] / ref, 2))
         cand = by.get((row.key, CANDIDATE))
         base = [by[(row.key, n)]["sim_seconds"] for n in BASELINES if (row.key, n) in by]

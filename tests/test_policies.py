@@ -252,3 +252,20 @@ def test_wset_swarm_in_warmup_admits_every_agent_that_fits_at_once():
     s = Signals(**{**s.__dict__, "usage": 0.02})  # nothing resident yet
     assert WorkingSet().update(s).window == 2048
     assert AIMD().initial_window(2048) == 4 and AIMD().update(s).window == 4 + 2
+
+
+def test_wset_counts_a_host_tier_where_reloads_beat_recomputes():
+    # 8 agents of 2,000 tokens on a 10K device pool: 4 fit on the device alone (0.9 x 10K);
+    # a 20K host tier (write-through: it also holds the device's 10K) adds 10K
+    held = [2000] * 8
+    assert WorkingSet().update(ws_sig(held, [])).window == 4
+    fast = ws_sig(held, [], host_capacity_tokens=20_000, host_reload_cost=0.05)
+    assert WorkingSet().update(fast).window == 8  # 0.9 x 20K = 18K: eight agents
+    # limited bandwidth: a reload dearer than recomputing is worth nothing
+    slow = ws_sig(held, [], host_capacity_tokens=20_000, host_reload_cost=1.3)
+    assert WorkingSet().update(slow).window == 4
+    # a host tier no larger than the device holds nothing the device does not
+    small = ws_sig(held, [], host_capacity_tokens=10_000, host_reload_cost=0.05)
+    assert WorkingSet().update(small).window == 4
+    # the tier can be ignored (the device-only policy, measured beside it)
+    assert WorkingSet(use_host=False).update(fast).window == 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -197,6 +198,7 @@ def main() -> None:
                 },
                 "python": platform.python_version(),
                 "machine": platform.machine(),
+                "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates us
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
             indent=2,

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS, Tool, ToolContext, get_tools
+from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
-from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
+from tools.registry import DEFAULT_TOOLS, get_tools
+from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, remove_tree
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
@@ -38,10 +39,11 @@ ENGINE_FAILURE_LIMIT = 5
 
 @dataclass
 class BatchConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # for tasks that set none
+    max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
-    # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
+    # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
     # their own (runner/sim/tools.py), so a real run never sees the simulated tool.
     tool_registry: Mapping[str, Callable[[], Tool]] | None = None
     control_period: float = DEFAULT_CONTROL_PERIOD
@@ -67,8 +69,6 @@ class Totals:
     generated: int = 0
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
-    solved: int = 0
-    evaluated: int = 0
 
 
 class EngineDead(RuntimeError):
@@ -80,7 +80,7 @@ class Batch:
         self,
         tasks: list[Task],
         engine: Engine,
-        sandbox: Sandbox,
+        sandbox: CommandSandbox,
         policy: Policy,
         store: RunStore,
         config: BatchConfig,
@@ -102,6 +102,7 @@ class Batch:
             )
         self.totals = Totals()
         self.progress = progress
+        self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -181,6 +182,7 @@ class Batch:
             hit=t.cached / t.prompt if t.prompt else None,
             u=last.get("u"),
             h=last.get("h"),
+            step_budget=self._step_budget,
         )
 
     async def _run_one(self, index: int, task: Task) -> None:
@@ -207,7 +209,7 @@ class Batch:
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=_sampling_for(self.config.sampling, task),
-                max_steps=task.max_steps or self.config.max_steps,
+                max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
@@ -248,6 +250,11 @@ class Batch:
             )
             self._count({"status": "error"})
 
+    def _max_steps(self, task: Task) -> int:
+        steps = task.max_steps or self.config.max_steps
+        cap = self.config.max_steps_cap
+        return steps if cap is None else min(steps, cap)
+
     async def _finish_record(
         self,
         task: Task,
@@ -280,6 +287,8 @@ class Batch:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
         self.store.add_trajectory(record)
         self._count(record)
+        # the budget it left unused is no longer ahead of the batch (the progress ETA)
+        self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 
     def _dispose(self, ws: Path) -> None:
         if not ws.exists():  # never created (the task failed before its workspace)
@@ -356,9 +365,6 @@ class Batch:
     def _count(self, rec: dict[str, Any]) -> None:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
-        if rec.get("eval"):
-            t.evaluated += 1
-            t.solved += bool(rec["eval"]["solved"])
 
 
 def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
@@ -386,7 +392,7 @@ class _SetupFailed(Exception):
 
 
 async def evaluate(
-    sandbox: Sandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
+    sandbox: CommandSandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
 ) -> dict[str, Any] | None:
     """Run the task's `eval` command in a fresh sandbox over the workspace as it is now.
     None when the task has no eval (or the workspace is gone)."""

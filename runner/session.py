@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .batch import Batch, EngineDead
@@ -78,7 +79,18 @@ def execute(
             config=config,
         )
         batch.store.write_summary(summary)
+        plot_timeline(batch.store.root)
     return Outcome(summary, code)
+
+
+def plot_timeline(root: Path) -> None:
+    """timeline.png beside the summary; a plot that fails is logged, never the run's end."""
+    from .report.timeline import write_timeline  # matplotlib only once a batch ends
+
+    try:
+        write_timeline(root)
+    except Exception as e:
+        log.warning("could not draw %s: %s: %s", root / "timeline.png", type(e).__name__, e)
 
 
 async def _run(batch: Batch, engine: Engine) -> float:

@@ -155,21 +155,28 @@ class RunStore:
                 self.finished[tid] = new
         _replace_durably(self.trajectories, "".join(out))
 
-    def bind_source(self, source: str) -> None:
+    def bind_source(self, source: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Record which dataset this run folder belongs to; refuse another one (task ids
-        like "0", "1" would otherwise be taken as finished)."""
+        like "0", "1" would otherwise be taken as finished). The first run also writes its
+        `record` (config, versions, ...) into run.json, which is never rewritten. Returns
+        run.json's content."""
         meta = self.root / "run.json"
         if meta.exists():
             try:
-                known = json.loads(meta.read_text(encoding="utf-8")).get("source")
-            except (OSError, json.JSONDecodeError, AttributeError):
+                known = json.loads(meta.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
                 known = None
-            if known is not None and known != source:
+            if not isinstance(known, dict):
+                return {}
+            if known.get("source") is not None and known["source"] != source:
                 raise RunFolderBusy(
-                    f"{self.root} holds a run of {known}, not of {source}: pass another --out"
+                    f"{self.root} holds a run of {known['source']}, not of {source}: pass "
+                    "another --out"
                 )
-            return
-        write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source})
+            return known
+        first = {"format": FORMAT_VERSION, "source": source, **(record or {})}
+        write_json_atomic(meta, first)
+        return first
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}

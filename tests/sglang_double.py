@@ -1,19 +1,27 @@
-"""A TEST DOUBLE of the SGLang surface runner/engines/sglang.py uses. Not SGLang.
+"""A TEST DOUBLE of the SGLang surface runner/engines/sglang/ uses. Not SGLang.
 
 `install_fake_sglang(monkeypatch)` puts a fake `sglang` package (with `sglang.Engine` and
 `sglang.srt.managers.io_struct`) into sys.modules, so the adapter runs its real import path
 unchanged. What it reproduces, from SGLang's source (see docs/sglang.md for the files):
 
-- `Engine(**server_args)`: unknown server args raise TypeError (ServerArgs is a dataclass);
-  `.server_args`, `.tokenizer_manager`, `.shutdown()`.
+- `Engine(**server_args)`: unknown server args raise TypeError (ServerArgs is a msgspec
+  Struct since 0.5.20, a dataclass before); `.server_args`, `.tokenizer_manager`,
+  `.shutdown()`.
 - `await Engine.async_generate(input_ids=..., sampling_params=..., routed_dp_rank=...,
   priority=..., session_id=..., ...)` -> `{"text", "output_ids", "meta_info"}` with
   meta_info keys id, finish_reason ({"type": "stop", "matched": token id or stop string} |
   {"type": "length", "length": n} | {"type": "abort", "message": ...}), prompt_tokens,
-  completion_tokens, cached_tokens, cached_tokens_details ({"device", "host"}, only with
-  enable_hierarchical_cache and a hit), dp_rank (dp_size > 1), e2e_latency. The matched stop
-  token stays in output_ids. The context checks of TokenizerManager._validate_one_request
-  raise ValueError. A tiny radix cache gives cached_tokens (match capped at len - 1).
+  completion_tokens, cached_tokens, cached_tokens_details ({"device", "host"} whenever
+  something hit; host > 0 only with enable_hierarchical_cache), dp_rank (dp_size > 1),
+  e2e_latency; with return_logprob also input_token_logprobs (empty: logprobs start at the
+  output) and output_token_logprobs, one (logprob, token id, None) per output token. The
+  matched stop token stays in output_ids. Sampling params take only SAMPLING_KEYS (SGLang's
+  SamplingParams(**params) raises TypeError on any other key). The context checks of
+  TokenizerManager._validate_one_request raise ValueError. A tiny radix cache gives
+  cached_tokens (match capped at len - 1).
+
+tests/test_sglang_source.py checks every name the double accepts or returns against the
+released sglang wheel.
 - `tokenizer_manager`: `.tokenizer` (a tiny HF-like tokenizer, below), `.context_len`,
   `.max_req_input_len`, `.model_config.hf_eos_token_id`, `.server_args`,
   `.load_snapshot_reader.read_all()` (per-rank snapshot objects with token_usage etc.;
@@ -138,6 +146,38 @@ KNOWN_SERVER_ARGS = frozenset(
         "random_seed",
     }
 )
+
+
+# The SamplingParams fields the double takes: a subset of SGLang's API fields
+# (srt/sampling/sampling_params.py), so a key the real engine rejects fails here too.
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "sampling_seed",
+    }
+)
+
+
+def fake_logprob(token_id: int) -> float:
+    """The double's deterministic log-probability of an output token."""
+    return -((token_id % 7) + 1) / 8
 
 
 @dataclass
@@ -293,6 +333,9 @@ class FakeSGLangEngine:
         self.calls.append(args)
         self.events.append(("generate", session_id))
         sp = dict(sampling_params or {})
+        unknown = sorted(set(sp) - SAMPLING_KEYS)
+        if unknown:  # msgspec's message for SamplingParams(**sp)
+            raise TypeError(f"Unexpected keyword argument {unknown[0]!r}")
         # SamplingParams.verify: one decoding constraint per request
         constraints = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if sp.get(k)]
         if len(constraints) > 1:
@@ -371,9 +414,14 @@ class FakeSGLangEngine:
             "completion_tokens": len(out),
             "cached_tokens": cached,
         }
-        if self.server_args.enable_hierarchical_cache and cached > 0:
-            host = int(cached * self.host_fraction)
+        if cached > 0:  # output_streamer.get_cached_tokens_details
+            hicache = self.server_args.enable_hierarchical_cache
+            host = int(cached * self.host_fraction) if hicache else 0
             meta["cached_tokens_details"] = {"device": cached - host, "host": host}
+        if return_logprob:  # tokenizer_manager.add_logprob_to_meta_info
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [(fake_logprob(t), t, None) for t in out]
+            meta["output_token_logprobs_length"] = len(out)
         if dp > 1:
             meta["dp_rank"] = rank
         meta["e2e_latency"] = 0.05

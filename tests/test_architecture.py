@@ -4,7 +4,7 @@ import json
 import time
 
 from runner.sim.tools import SIM_TOOLS
-from tools.core import REGISTRY
+from tools.registry import REGISTRY
 
 from .conftest import read_jsonl, run_cli
 
@@ -37,3 +37,37 @@ def test_a_real_task_naming_sim_tool_gets_unknown_tool_within_the_tool_timeout(
     assert "offers-it" not in recs
     errors = read_jsonl(out / "errors.jsonl")
     assert any(e.get("task_id") == "offers-it" and "sim_tool" in e["reason"] for e in errors)
+
+
+class _PlainEngineDouble:
+    """Test double: an engine with no capability beyond the protocol's name."""
+
+    name = "plain"
+
+
+class _ConstrainingEngineDouble(_PlainEngineDouble):
+    """Test double: an engine with the ConstrainedDecoding capability."""
+
+    def __init__(self, by_default: bool) -> None:
+        self.name = "constraining"
+        self._by_default = by_default
+
+    @property
+    def constrain_by_default(self) -> bool:
+        return self._by_default
+
+
+def test_constrain_choice_follows_the_capability_not_the_engine_name(caplog):
+    from runner.cli.main import constrain_tool_calls
+
+    small = _ConstrainingEngineDouble(by_default=True)  # like llama.cpp
+    reasoning = _ConstrainingEngineDouble(by_default=False)  # like SGLang
+    assert [constrain_tool_calls(c, small) for c in ("auto", "on", "off")] == [True, True, False]
+    assert [constrain_tool_calls(c, reasoning) for c in ("auto", "on", "off")] == [
+        False,
+        True,
+        False,
+    ]
+    with caplog.at_level("WARNING", logger="concur"):
+        assert constrain_tool_calls("on", _PlainEngineDouble()) is False
+    assert "plain cannot constrain decoding" in caplog.text

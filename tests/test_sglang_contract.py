@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -18,11 +19,14 @@ import pytest
 from runner.agent import Agent
 from runner.engine import (
     CacheStats,
+    ConstrainedDecoding,
     ContextLimitExceeded,
+    DataParallel,
     Engine,
     EngineError,
     SamplingParams,
     Tokenizer,
+    TokenLogprobs,
 )
 from runner.engines import sglang as sg
 from runner.engines.sglang import (
@@ -31,6 +35,8 @@ from runner.engines.sglang import (
     parse_engine_args,
     sglang_available,
 )
+from runner.engines.sglang import args as sg_args
+from runner.engines.sglang import versions as sg_versions
 from runner.gate import Gate
 from runner.tasks import Task
 from tests.sglang_double import (
@@ -40,9 +46,11 @@ from tests.sglang_double import (
     Abort,
     FakeLoad,
     Reply,
+    fake_logprob,
     install_fake_sglang,
 )
-from tools.core import Observation, Submit, ToolContext
+from tools.core import Observation, ToolContext
+from tools.submit import Submit
 
 SP = SamplingParams(temperature=0.6, top_p=0.95, max_new_tokens=64, stop=("</tool_call>",))
 
@@ -53,9 +61,9 @@ def run(coro: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _restore_env(monkeypatch):
-    """sessions=True sets SGLANG_ENABLE_UNIFIED_RADIX_TREE; undo it after each test."""
-    monkeypatch.setenv(sg.UNIFIED_TREE_ENV, "")
-    monkeypatch.delenv(sg.UNIFIED_TREE_ENV)
+    """sessions=True may set SGLANG_ENABLE_UNIFIED_RADIX_TREE; undo it after each test."""
+    monkeypatch.setenv(sg_versions.UNIFIED_TREE_ENV, "")
+    monkeypatch.delenv(sg_versions.UNIFIED_TREE_ENV)
 
 
 def make(monkeypatch, *, config: dict | None = None, **kw: Any) -> tuple[SGLangEngine, Any]:
@@ -223,6 +231,56 @@ def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
     assert call["stream"] is False and call["prompt"] is None
 
 
+def test_logprobs_asked_for_come_back_one_per_output_token(monkeypatch):
+    eng, fk = make(monkeypatch, config={"replies": [Reply("hi"), Reply("yo")]})
+    sp = SamplingParams(max_new_tokens=16, logprobs=True)
+    gen = run(eng.generate([200, 201], sp))
+    call = fk.calls[0]
+    assert call["return_logprob"] is True
+    # only return_logprob: a logprob_start_len inside the prompt would cap the prefix match
+    assert call["logprob_start_len"] is None and call["top_logprobs_num"] is None
+    assert call["token_ids_logprob"] is None
+    assert gen.output_ids == [*eng.tokenizer.encode("hi"), EOT_ID]
+    assert gen.output_logprobs == [fake_logprob(t) for t in gen.output_ids]
+    plain = run(eng.generate([200, 201, 202], SP))  # not asked: none sent, none given
+    assert fk.calls[1]["return_logprob"] is False and plain.output_logprobs is None
+
+
+def test_logprobs_that_do_not_match_the_output_fail_the_request(monkeypatch):
+    handle = install_fake_sglang(monkeypatch)
+
+    class Short(handle.engine_class):
+        async def async_generate(self, *args, **kwargs):
+            out = await super().async_generate(*args, **kwargs)
+            out["meta_info"]["output_token_logprobs"].pop()
+            return out
+
+    eng = SGLangEngine("m", engine_factory=Short)
+    with pytest.raises(EngineError, match="output logprobs for 3 output tokens"):
+        run(eng.generate([200], SamplingParams(logprobs=True)))
+    assert eng.cache_stats().extra["failed"] == 1
+
+
+def test_logprobs_refused_where_async_generate_cannot_return_them(monkeypatch):
+    handle = install_fake_sglang(monkeypatch)
+
+    class Old(handle.engine_class):
+        async def async_generate(self, prompt=None, sampling_params=None, input_ids=None):
+            return await super().async_generate(prompt, sampling_params, input_ids)
+
+    eng = SGLangEngine("m", engine_factory=Old)
+    assert isinstance(eng, TokenLogprobs) and not eng.gives_logprobs
+    with pytest.raises(EngineError, match="return_logprob"):
+        run(eng.generate([200], SamplingParams(logprobs=True)))
+    assert run(eng.generate([200], SP)).output_logprobs is None
+
+
+def test_a_sampling_key_sglang_rejects_fails_the_request(monkeypatch):
+    eng, _ = make(monkeypatch, sampling_extra={"topk": 20})  # a typo of top_k
+    with pytest.raises(EngineError, match="Unexpected keyword argument 'topk'"):
+        run(eng.generate([200], SP))
+
+
 CALL_SCHEMA = {
     "type": "object",
     "properties": {"name": {"const": "submit"}, "arguments": {"type": "object"}},
@@ -246,7 +304,7 @@ def test_tool_call_schema_becomes_one_structural_tag(monkeypatch):
         },
     }
     assert first["structural_tag"] is second["structural_tag"]  # built once per schema
-    assert eng.constrains_tool_calls
+    assert isinstance(eng, ConstrainedDecoding)
     # without a schema nothing constrains the reply
     run(eng.generate([200], SP))
     assert "structural_tag" not in fk.calls[-1]["sampling_params"]
@@ -262,22 +320,15 @@ def test_a_second_constraint_from_sampling_args_is_refused(monkeypatch):
     assert fk.calls[-1]["sampling_params"]["regex"] == "[a-z]+"
 
 
-def test_constrain_choice_per_engine(monkeypatch, caplog):
-    from runner.cli.main import constrain_tool_calls
-
-    eng, _ = make(monkeypatch)
-
-    class Plain:
-        name = "replay"
-
-    assert constrain_tool_calls("on", eng) is True
-    assert constrain_tool_calls("auto", eng) is False  # reasoning models think first
-    assert constrain_tool_calls("off", eng) is False
-    llama = types.SimpleNamespace(name="llama.cpp", constrains_tool_calls=True)
-    assert constrain_tool_calls("auto", llama) is True
-    with caplog.at_level("WARNING", logger="concur"):
-        assert constrain_tool_calls("on", Plain()) is False
-    assert "replay cannot constrain decoding" in caplog.text
+def test_capabilities_are_the_protocols(monkeypatch):
+    eng, _ = make(monkeypatch, dp_size=2)
+    assert isinstance(eng, Engine)
+    assert isinstance(eng, DataParallel) and eng.dp_size == 2
+    assert isinstance(eng, TokenLogprobs) and eng.gives_logprobs
+    # constrained decoding is offered, but not on by default: a forced call would also
+    # forbid a reasoning model's <think> block
+    assert isinstance(eng, ConstrainedDecoding) and eng.constrain_by_default is False
+    assert not hasattr(eng, "constrains_tool_calls")
 
 
 def test_stop_string_reply_keeps_its_tokens_and_is_not_an_eos(monkeypatch):
@@ -515,7 +566,7 @@ def test_usage_fallback_polls_get_loads_in_the_background(monkeypatch):
     assert got.usage == 0.3 and got.extra["usage_source"] == "get_loads"
     assert later.usage == 0.7
     assert tm.get_loads_calls >= 2
-    assert eng._refresher is None  # cancelled by aclose
+    assert eng._loads._poller is None  # cancelled by aclose
 
 
 def test_cache_stats_extra_is_json_serialisable(monkeypatch):
@@ -574,13 +625,46 @@ def test_sessions_off_sends_no_session(monkeypatch):
     assert "enable_session_radix_cache" not in fk.kwargs
 
 
-def test_sessions_set_the_unified_tree_env(monkeypatch):
-    make(monkeypatch)
-    import os
+def test_sessions_server_args_follow_the_installed_release(monkeypatch):
+    env = sg_versions.UNIFIED_TREE_ENV
 
-    assert sg.UNIFIED_TREE_ENV not in os.environ
-    make(monkeypatch, sessions=True)
-    assert os.environ[sg.UNIFIED_TREE_ENV] == "1"
+    def start(version):
+        monkeypatch.setattr(sg_versions, "installed_version", lambda: version)
+        monkeypatch.delenv(env, raising=False)
+        _, fk = make(monkeypatch, sessions=True)
+        return fk.kwargs, os.environ.get(env)
+
+    # a current release (or one not installed as a distribution): the flag alone
+    for version in (None, (0, 5, 23), (0, 5, 19)):
+        kwargs, value = start(version)
+        assert kwargs["enable_session_radix_cache"] is True and value is None
+        assert "radix_eviction_policy" not in kwargs
+    kwargs, value = start((0, 5, 17))  # the unified radix tree is opt-in there
+    assert value == "1" and "radix_eviction_policy" not in kwargs
+    kwargs, value = start((0, 5, 16))  # ServerArgs demands priority eviction there
+    assert kwargs["radix_eviction_policy"] == "priority" and value is None
+
+
+def test_sessions_refused_before_start_on_releases_without_them(monkeypatch):
+    handle = install_fake_sglang(monkeypatch)
+    monkeypatch.setattr(sg_versions, "installed_version", lambda: (0, 5, 9))
+    with pytest.raises(EngineError, match=r"sglang >= 0\.5\.15.*0\.5\.9"):
+        SGLangEngine("m", sessions=True)
+    assert handle.engines == []  # refused before any engine started
+    SGLangEngine("m")  # without sessions 0.5.9 is fine
+
+
+def test_sessions_on_priority_eviction_releases_refuse_another_policy(monkeypatch):
+    install_fake_sglang(monkeypatch)
+    monkeypatch.setattr(sg_versions, "installed_version", lambda: (0, 5, 16))
+    with pytest.raises(ValueError, match=r"radix_eviction_policy='lru'.*needed by an opt-in"):
+        SGLangEngine("m", sessions=True, engine_args={"radix_eviction_policy": "lru"})
+
+
+def test_release_numbers_parse():
+    assert sg_versions.parse_version("0.5.15.post1") == (0, 5, 15)
+    assert sg_versions.parse_version("0.5.23") == (0, 5, 23)
+    assert sg_versions.parse_version("main") is None
 
 
 def test_sessions_refused_when_async_generate_lacks_session_id(monkeypatch):
@@ -795,10 +879,10 @@ def test_sglang_available(monkeypatch):
     assert not ok and "no CUDA GPU" in why
 
     monkeypatch.setitem(sys.modules, "torch", None)  # torch does not import
-    monkeypatch.setattr(sg.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(sg_args.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     ok, why = sglang_available()
     assert ok and "nvidia-smi" in why
-    monkeypatch.setattr(sg.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sg_args.shutil, "which", lambda name: None)
     ok, why = sglang_available()
     assert not ok and "no CUDA GPU" in why
 

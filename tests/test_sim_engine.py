@@ -648,3 +648,33 @@ def test_cache_stats_report_the_host_tier_and_its_reload_cost():
     assert stats.host_reload_cost == pytest.approx(
         cost.host_load(1) / cost.prefill_linear_per_token
     )
+
+
+def test_on_a_plain_asyncio_loop():
+    """Without runner.sim.vclock's VirtualClock (plain asyncio, real time) the engine still
+    serves every request exactly (only its decode blocks are not cut at the next timer)."""
+    model = ScriptedModel(n=40)
+
+    async def main():
+        eng = engine(model)
+
+        async def agent(i: int):
+            ids = [*span(1, 200), *span(10_000_000 * (i + 1), 300)]
+            out = []
+            for s in range(3):
+                g = await eng.generate(ids, SP)
+                out.append((g.prompt_tokens, g.cached_tokens, g.output_ids))
+                await asyncio.sleep(0.01 * (i + 1))  # the tool
+                ids = ids + g.output_ids + span(10_000_000 * (i + 1) + 100_000 * (s + 1), 50)
+            return out
+
+        gens = await asyncio.gather(*(agent(i) for i in range(4)))
+        eng.check()
+        st = eng.stats()
+        await eng.aclose()
+        return gens, st
+
+    plain, st = asyncio.run(main())
+    virtual, st_v = run_virtual(main())
+    assert plain == virtual
+    assert st["requests_finished"] == 12 and st["tokens_decode"] == st_v["tokens_decode"]

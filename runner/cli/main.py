@@ -12,12 +12,13 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.core import REGISTRY as TOOL_REGISTRY
-from tools.sandbox import Limits, Sandbox, SandboxUnavailable, make_sandbox
+from tools.registry import REGISTRY as TOOL_REGISTRY
+from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
 from ..engine import ConstrainedDecoding, Engine, SamplingParams
@@ -26,6 +27,8 @@ from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
 from ..tasks import RecordError, Task, load_tasks
+from .config import differing, resolved, run_record, to_toml
+from .config import parse_args as config_args
 from .engines import ENGINES, EngineSetup
 from .parser import AIMD_FLAGS, build_parser
 
@@ -42,13 +45,26 @@ class Plan:
     source: str  # what the run folder belongs to
     out: Path
     config: BatchConfig
-    sandbox: Sandbox | None = None  # None: the one --sandbox asks for
+    sandbox: CommandSandbox | None = None  # None: the one --sandbox asks for
     setup: EngineSetup | None = None  # None: built from ENGINES once the run folder is ours
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
 
 
+def report(argv: list[str]) -> int:
+    from ..report.command import main as report_main
+
+    return report_main(argv)
+
+
+# `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    args = config_args(build_parser(), argv)
     try:
         policy = policy_from_args(args)
         check_options(args)
@@ -61,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         store = RunStore(plan.out)
-        store.bind_source(plan.source)
+        config = resolved(args)
+        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)))
     except RunFolderBusy as e:
         return fail(str(e))
+    problem = check_resume(meta, config, args.eval_only, plan.out)
+    if problem:
+        return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
     try:
@@ -83,7 +103,7 @@ def run(
     args: argparse.Namespace,
     plan: Plan,
     store: RunStore,
-    sandbox: Sandbox,
+    sandbox: CommandSandbox,
     setup: EngineSetup,
     policy: Policy,
 ) -> int:
@@ -144,7 +164,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 def check_options(args: argparse.Namespace) -> None:
     if args.control_period <= 0:
         raise ValueError(f"--control-period must be > 0, got {args.control_period}")
-    if args.max_steps < 1:
+    if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -180,7 +200,8 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     local = Path(source).is_file()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or BatchConfig.max_steps,
+        max_steps_cap=args.max_steps,
         sampling=SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -251,6 +272,24 @@ def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
 # ---- run folder and logging ---------------------------------------------------------------
 
 
+def check_resume(meta: dict[str, Any], config: dict[str, Any], eval_only: bool, out: Path) -> str:
+    """Why this run may not go on in `out` ("" if it may); writes run.toml on a first run."""
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):  # a run folder of a version that recorded none
+        return ""
+    if not (out / "run.toml").exists():
+        (out / "run.toml").write_text(to_toml(recorded), encoding="utf-8")
+    keys = [] if eval_only else [k for k in differing(recorded, config) if k != "tasks"]
+    if not keys:
+        return ""
+    changes = ", ".join(f"--{k.replace('_', '-')} ({recorded.get(k)!r} -> {config.get(k)!r})"
+                        for k in keys)  # fmt: skip
+    return (
+        f"{out} holds a run made with other options that change results: {changes}. Resume "
+        f"it with its own options (--config {out / 'run.toml'}) or pass another --out"
+    )
+
+
 def workspace_root(out: Path) -> Path:
     """The live-workspace folder of a run folder: fixed, so a rerun clears a killed run's."""
     digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
@@ -289,7 +328,9 @@ def fail(msg: str) -> int:
     return 2
 
 
-def eval_only(tasks: list[Task], store: RunStore, sandbox: Sandbox, config: BatchConfig) -> int:
+def eval_only(
+    tasks: list[Task], store: RunStore, sandbox: CommandSandbox, config: BatchConfig
+) -> int:
     from ..rescore import RescoreError, rescore
 
     try:

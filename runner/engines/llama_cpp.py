@@ -6,6 +6,19 @@ sequence states (KV bytes keyed by their token ids, LRU by bytes), so that agent
 turns each find their own prefix again: a real, finite cache whose occupancy and hit rate
 mean on CPU what KV usage and radix hits mean on SGLang. Requests run one at a time on one
 worker thread (llama.cpp contexts are not thread-safe); the event loop never blocks.
+
+Capabilities: ConstrainedDecoding (a tool-call schema becomes a GBNF grammar, on by default)
+and TokenLogprobs. The log-probabilities are the model's own: log-softmax of the raw logits
+that produced each token, at temperature 1, before repetition penalty, grammar, top-k, top-p,
+min-p and temperature are applied (so with the grammar, or below temperature 1, they are not
+the probabilities the token was drawn with). That is what llama-cpp-python's own completion
+`logprobs` report (`Llama.logits_to_logprobs` of the raw scores) and what vLLM reports by
+default; llama.cpp's sampler chain does not expose its processed candidates.
+
+Only public llama-cpp-python API is used: `Llama` (`generate`, `ctx`, `n_tokens`,
+`input_ids`, `n_vocab`) and the ctypes bindings of llama.h (`llama_get_memory`,
+`llama_memory_seq_rm`, `llama_state_seq_*`, `llama_get_logits_ith`). Tested on 0.3.36
+(tests/test_llama_cpp.py); the bindings used exist since 0.3.10.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import toolcall
 from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from ..template import ChatTemplate
 
@@ -97,14 +111,18 @@ class PrefixStateCache:
     def tokens(self) -> int:
         return sum(len(k) for k in self._states)
 
+    def clear(self) -> None:
+        self._states.clear()
+        self.bytes = 0
+
     def __len__(self) -> int:
         return len(self._states)
 
 
 class LlamaCppEngine:
+    """Implements Engine, ConstrainedDecoding and TokenLogprobs (runner/engine.py)."""
+
     name = "llama.cpp"
-    # SamplingParams.tool_call_schema becomes a GBNF grammar (see _grammar)
-    constrains_tool_calls = True
 
     def __init__(
         self,
@@ -145,6 +163,16 @@ class LlamaCppEngine:
     @property
     def tokenizer(self) -> LlamaTokenizer:
         return self._tok
+
+    @property
+    def constrain_by_default(self) -> bool:
+        # SamplingParams.tool_call_schema becomes a GBNF grammar (see _grammar); on by default
+        # because a small model rarely writes a well-formed call without it.
+        return True
+
+    @property
+    def gives_logprobs(self) -> bool:
+        return True
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, agent: str | None = None
@@ -199,15 +227,15 @@ class LlamaCppEngine:
         # Where is the longest reusable prefix: the live sequence, or a saved state?
         live = _common_prefix(tuple(llm.input_ids[: llm.n_tokens].tolist()), prompt)
         saved, saved_len = self.cache.best(prompt)
-        if saved is not None and saved_len > live:
-            self._restore(saved)
-            live = saved_len
         # Like SGLang, at least the last prompt token is recomputed (its logits are needed).
+        if saved is not None and saved_len > live:
+            live = self._restore(saved, min(saved_len, len(prompt) - 1))
         cached = min(live, len(prompt) - 1)
         llm.set_seed(sp.seed)
         grammar = self._grammar(sp.tool_call_schema) if sp.tool_call_schema else None
         eos = self._tok.eos_ids
         out: list[int] = []
+        logprobs: list[float] | None = [] if sp.logprobs else None
         finish = "length"
         stopped_on_eos = False
         text = ""
@@ -224,6 +252,8 @@ class LlamaCppEngine:
             ):
                 if self._closing.is_set():
                     raise EngineError("engine shut down during generation")
+                if logprobs is not None:
+                    logprobs.append(self._logprob(tok))
                 if tok in eos:
                     out.append(tok)
                     finish, stopped_on_eos = "stop", True
@@ -252,7 +282,19 @@ class LlamaCppEngine:
             finish_reason=finish,
             seconds=time.perf_counter() - t0,
             stopped_on_eos=stopped_on_eos,
+            output_logprobs=logprobs,
         )
+
+    def _logprob(self, token: int) -> float:
+        """Log-probability of `token` under the raw logits it was sampled from. Llama.generate
+        yields each token before it evaluates it, so the context's last logits row (index -1)
+        is still the one the sampler used."""
+        import numpy as np  # a dependency of llama-cpp-python
+
+        ptr = self._lc.llama_get_logits_ith(self._llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._llm.n_vocab(),)).astype(np.float64)
+        top = logits.max()
+        return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
 
     def _grammar(self, schema: str) -> Any:
         """The reply as exactly `<tool_call>{...}</tool_call>` with the object matching the
@@ -262,7 +304,7 @@ class LlamaCppEngine:
             from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
 
             gbnf = json_schema_to_gbnf(schema).replace("root ::=", "call ::=", 1)
-            gbnf += '\nroot ::= "<tool_call>" call "</tool_call>"\n'
+            gbnf += f'\nroot ::= "{toolcall.OPEN}" call "{toolcall.CLOSE}"\n'
             g = self._grammars[schema] = LlamaGrammar.from_string(gbnf, verbose=False)
         return g
 
@@ -277,17 +319,25 @@ class LlamaCppEngine:
         if got:
             self.cache.put(tuple(llm.input_ids[:n].tolist()), bytes(buf)[:got])
 
-    def _restore(self, st: _State) -> None:
+    def _restore(self, st: _State, keep: int) -> int:
+        """Load a saved state into the live sequence and keep its first `keep` tokens (fewer
+        than the prompt's). The rest is cut from the KV, so the live sequence is exactly
+        input_ids[:n_tokens] and generate() must decode the prompt from there: the logits in
+        the context belong to whatever ran last, never to the restored state. Returns the
+        tokens kept (0 if the state could not be loaded)."""
         llm, lc = self._llm, self._lc
-        llm._ctx.kv_cache_seq_rm(0, 0, -1)
+        mem = lc.llama_get_memory(llm.ctx)
+        lc.llama_memory_seq_rm(mem, 0, 0, -1)
         buf = (ctypes.c_uint8 * len(st.data)).from_buffer_copy(st.data)
         if lc.llama_state_seq_set_data(llm.ctx, buf, len(st.data), 0) != len(st.data):
             llm.reset()
-            return
-        n = len(st.tokens)
-        llm.input_ids[:n] = st.tokens
-        llm.n_tokens = n
-        llm._requires_eval = True  # logits are stale; generate() re-evaluates >= 1 token
+            return 0
+        if keep < len(st.tokens) and not lc.llama_memory_seq_rm(mem, 0, keep, -1):
+            llm.reset()  # this model's memory cannot be cut: recompute the whole prompt
+            return 0
+        llm.input_ids[:keep] = st.tokens[:keep]
+        llm.n_tokens = keep
+        return keep
 
 
 class LlamaTokenizer:

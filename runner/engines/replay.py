@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
+from ..toolcall import format_call
 from .chatml_tokenizer import EOS_ID, ChatMLTokenizer
 
-END_OF_SCRIPT = (
-    '<tool_call>{"name": "submit", "arguments": {"answer": "replay: no more scripted '
-    'turns"}}</tool_call>'
-)
+END_OF_SCRIPT = format_call("submit", {"answer": "replay: no more scripted turns"})
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -6,16 +6,31 @@ blocking first; with no timer pending it is waited for, up to REAL_GRACE_S of wa
 worker threads can deliver results); only the waiting on timers is skipped. If nothing is
 ready, no timer is scheduled and no I/O comes, every task waits on another: that deadlock is
 raised, not hung.
+
+The loop also answers two questions the simulated engine asks before it plans work
+(`VirtualClock`): when the next timer is due (`next_timer`, kept by the loop itself from the
+public `call_at` / `call_later`) and whether callbacks are queued to run at this instant
+(`has_ready_callbacks`, the one place that reads an asyncio internal; see there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 import selectors
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import sys
+from collections.abc import Callable, Coroutine
+from contextvars import Context
+from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, runtime_checkable
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+# CPython versions whose asyncio `BaseEventLoop._ready` was checked to behave as
+# has_ready_callbacks assumes (run: tests/test_vclock.py on 3.11, 3.12 and 3.13).
+TESTED_PYTHON = ((3, 11), (3, 13))
 
 
 class Deadlock(RuntimeError):
@@ -23,6 +38,20 @@ class Deadlock(RuntimeError):
 
 
 REAL_GRACE_S = 5.0  # with no timer, how long to wait for real I/O (a worker thread's result)
+
+
+@runtime_checkable
+class VirtualClock(Protocol):
+    """What the simulated engine needs from its event loop to plan exactly (VirtualTimeLoop
+    has it; on any other loop the engine plans without it)."""
+
+    def next_timer(self) -> float:
+        """When the earliest pending timer is due (loop time); +inf when none is."""
+        ...
+
+    def has_ready_callbacks(self) -> bool:
+        """Whether callbacks are queued to run before the loop next waits or moves time."""
+        ...
 
 
 class _JumpingSelector(selectors.DefaultSelector):
@@ -46,13 +75,81 @@ class _JumpingSelector(selectors.DefaultSelector):
         return []
 
 
+class _Timer(Generic[*Ts]):
+    """A timer's callback, wrapped so the loop knows when it has run."""
+
+    __slots__ = ("callback", "fired")
+
+    def __init__(self, callback: Callable[[*Ts], object]) -> None:
+        self.callback = callback
+        self.fired = False
+
+    def __call__(self, *args: *Ts) -> object:
+        self.fired = True
+        return self.callback(*args)
+
+
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._jumping = _JumpingSelector()
         super().__init__(self._jumping)
+        # Every timer handed out by call_at / call_later, earliest first; entries whose timer
+        # ran or was cancelled are dropped lazily by next_timer.
+        self._vt_timers: list[tuple[float, int, _Timer[Any], asyncio.TimerHandle]] = []
+        self._vt_seq = itertools.count()
 
     def time(self) -> float:
         return self._jumping.now
+
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[[*Ts], object],
+        *args: *Ts,
+        context: Context | None = None,
+    ) -> asyncio.TimerHandle:
+        timer: _Timer[*Ts] = _Timer(callback)
+        handle = super().call_at(when, timer, *args, context=context)
+        heapq.heappush(self._vt_timers, (handle.when(), next(self._vt_seq), timer, handle))
+        return handle
+
+    def call_later(
+        self,
+        delay: float,
+        callback: Callable[[*Ts], object],
+        *args: *Ts,
+        context: Context | None = None,
+    ) -> asyncio.TimerHandle:
+        # BaseEventLoop.call_later's own arithmetic, through our call_at in every case
+        if delay is None:
+            raise TypeError("delay must not be None")
+        return self.call_at(self.time() + delay, callback, *args, context=context)
+
+    def next_timer(self) -> float:
+        timers = self._vt_timers
+        while timers and (timers[0][2].fired or timers[0][3].cancelled()):
+            heapq.heappop(timers)
+        return timers[0][0] if timers else math.inf
+
+    def has_ready_callbacks(self) -> bool:
+        """asyncio has no public way to ask this. The engine must know, when it plans an
+        iteration, whether callbacks already queued (an agent woken by the last iteration's
+        result) will still run at this instant and may submit a request. Shadowing the queue
+        through public methods would mean re-implementing asyncio's own bookkeeping (call_soon,
+        due timers, I/O callbacks, cancelled handles), which is more fragile than reading the
+        one deque `BaseEventLoop._ready` (its callbacks to run next). Checked on TESTED_PYTHON
+        by tests/test_vclock.py."""
+        return bool(_ready_queue(self))
+
+
+def _ready_queue(loop: asyncio.AbstractEventLoop) -> Any:
+    ready = getattr(loop, "_ready", None)
+    if ready is None:
+        raise RuntimeError(
+            f"asyncio on Python {sys.version_info[:2]} has no BaseEventLoop._ready; "
+            f"virtual time was checked on {TESTED_PYTHON[0]} to {TESTED_PYTHON[1]}"
+        )
+    return ready
 
 
 def run_virtual(coro: Coroutine[Any, Any, T]) -> T:

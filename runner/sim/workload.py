@@ -24,6 +24,7 @@ from typing import Any
 
 from ..engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span, span_ids
 from ..tasks import Task
+from ..toolcall import format_call
 
 SYSTEM_SEED = 0
 TRACE_FORMAT = "concur-trace"
@@ -189,6 +190,7 @@ class SimModel:
             raise ValueError("sim model: the prompt names no agent of the workload") from None
         trace = self.w.agents[agent]
         k = prompt.count(self._assistant) - 1  # assistant turns before this one
+        call: dict[str, Any]
         if k >= len(trace.steps) - 1:
             call = {"name": "submit", "arguments": {"answer": "done"}}
             k = len(trace.steps) - 1
@@ -202,7 +204,7 @@ class SimModel:
                     "seed": _seed(agent, k + 1) + 512,
                 },
             }
-        call_ids = self.tok.encode(f"<tool_call>{json.dumps(call)}</tool_call>")
+        call_ids = self.tok.encode(format_call(call["name"], call["arguments"]))
         pad = trace.steps[k].gen_tokens - len(call_ids) - 1
         filler = span_ids(pad, _seed(agent, k + 1)) if pad > 0 else []
         return [*filler, *call_ids, EOS_ID]

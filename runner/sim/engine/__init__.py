@@ -1,5 +1,5 @@
 """The SGLang-like engine simulator: radix cache (radix.py), roofline cost model (cost.py),
-scheduler (engine.py), deployments (presets.py). See docs/simulator.md."""
+scheduler (scheduler.py), deployments (presets.py). See docs/simulator.md."""
 
 from .cost import CostModel, Deployment, GpuSpec, IterationCost, ModelSpec
 from .presets import DEPLOYMENTS, deployment, make_sim_engine

@@ -83,7 +83,8 @@ class Node:
 
     def depth(self) -> int:
         """Tokens from the root to the end of this node."""
-        n, node = 0, self
+        n = 0
+        node: Node | None = self
         while node is not None:
             n += len(node.key)
             node = node.parent

@@ -21,12 +21,16 @@ from the 0.5.x sources):
 Decode fast-forward: when nothing else can change, k decode iterations are simulated in one
 step (one sleep): k is bounded by the fewest tokens any running request still has to
 generate (a finish ends the block), by the memory that can be had without retracting, by
-`fast_forward_cap`, and by the event loop's next timer (on asyncio's BaseEventLoop, peeked
-at `loop._scheduled[0]`): the block ends with the iteration during which that timer fires,
+`fast_forward_cap`, and by the event loop's next timer (`VirtualClock.next_timer` of
+runner.sim.vclock's loop): the block ends with the iteration during which that timer fires,
 so a tool returning mid-block is served exactly as SGLang would serve it, after the
 iteration in flight. Requests that come from work woken by the engine itself (a future it
-resolved) are flushed in before a block is planned. When requests wait for admission
-(and the batch is not marked full), k = 1, since admission is re-tried every iteration.
+resolved) are flushed in before a block is planned (`VirtualClock.has_ready_callbacks`).
+When requests wait for admission (and the batch is not marked full), k = 1, since admission
+is re-tried every iteration. On an event loop without `VirtualClock` (plain asyncio) the
+engine still serves every request correctly, but blocks are not cut at the next timer (a
+tool returning mid-block waits for the block's end) and only one pass of ready callbacks
+runs before planning.
 
 Accounting (stats()): a shadow radix tree with no capacity records every token sequence
 whose KV was ever computed; prefill tokens that the shadow has but the device and host
@@ -43,6 +47,7 @@ from typing import Any, Literal
 
 from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from ...engine import Tokenizer as TokenizerProto
+from ..vclock import VirtualClock
 from .cost import CostModel, Deployment
 from .radix import EvictionPolicy, Key, Node, RadixCache, WritePolicy
 
@@ -237,6 +242,7 @@ class SimEngine:
         self._st = _Stats()
 
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock: VirtualClock | None = None  # the loop, when it is a virtual clock
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
@@ -413,6 +419,7 @@ class SimEngine:
         if self._task is not None and self._loop is not loop and self._pending():
             raise EngineError("the simulated engine is in use on another event loop")
         self._loop = loop
+        self._clock = loop if isinstance(loop, VirtualClock) else None
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="sim-engine-scheduler")
 
@@ -423,7 +430,7 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._settle(loop)
+                await self._settle()
                 if self._n_cancelled:
                     self._drop_cancelled()
                 planned = self._schedule_prefill()
@@ -448,15 +455,15 @@ class SimEngine:
             self._error = e
             self._fail_all(EngineError(f"the simulated engine failed: {type(e).__name__}: {e}"))
 
-    async def _settle(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _settle(self) -> None:
         """Let every callback that is ready now run before planning an iteration: agents
         woken by the last iteration's results submit their next requests at this instant."""
-        ready = getattr(loop, "_ready", None)
-        if ready is None:
+        clock = self._clock
+        if clock is None:
             await asyncio.sleep(0)
             return
         for _ in range(100):
-            if not ready:
+            if not clock.has_ready_callbacks():
                 return
             await asyncio.sleep(0)
 
@@ -709,7 +716,7 @@ class SimEngine:
         k = max(1, min(k, (self.free_tokens + self.tree.evictable_tokens) // bs))
 
         # Spend k iterations, or fewer: stop with the one during which the next timer fires.
-        deadline = _next_timer(loop) - loop.time()
+        deadline = (self._clock.next_timer() if self._clock else math.inf) - loop.time()
         seconds, steps = 0.0, 0
         while steps < k:
             seconds += self.cost.decode(bs, ctx + steps * bs)
@@ -902,12 +909,3 @@ class SimEngine:
                 "retractions": self._st.retractions,
             },
         )
-
-
-def _next_timer(loop: asyncio.AbstractEventLoop) -> float:
-    """When the loop's earliest timer is due (asyncio BaseEventLoop keeps them in a heap);
-    +inf when unknown."""
-    scheduled = getattr(loop, "_scheduled", None)
-    if scheduled:
-        return scheduled[0].when()
-    return math.inf

@@ -17,6 +17,7 @@ from typing import Any
 
 from .batch import Batch, EngineDead
 from .engine import Engine
+from .store import RunStore
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -78,8 +79,10 @@ def execute(
             interrupted=interrupted,
             config=config,
         )
-        batch.store.write_summary(summary)
-        plot_timeline(batch.store.root)
+        store = batch.store
+        assert isinstance(store, RunStore), "a session's batch writes to a run folder"
+        store.write_summary(summary)
+        plot_timeline(store.root)
     return Outcome(summary, code)
 
 

@@ -51,6 +51,23 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append several lines, each with one write(), then one fsync for all of them (a driver
+    writing a worker's report: one sync per report, not per line)."""
+    if not records:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for record in records:
+            line = _dumps(record).encode("utf-8", "backslashreplace")
+            written = os.write(fd, line)
+            while written < len(line):
+                written += os.write(fd, line[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _replace_durably(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
     folder: a crash leaves the old file or the new one, never a mix or an empty one."""
@@ -185,6 +202,25 @@ class RunStore:
 
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
+
+    def add_control(self, line: dict[str, Any]) -> None:
+        """One control period's line (not fsync'd: a lost last period loses no work)."""
+        with self.control.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def add_trajectories(self, records: list[dict[str, Any]]) -> None:
+        """Several finished agents, synced once; each counts as finished only after."""
+        records = [{"format": FORMAT_VERSION, **r} for r in records]
+        _append_many(self.trajectories, records)
+        for r in records:
+            self.finished[r["task_id"]] = r
+
+    def append_records(self, name: str, records: list[dict[str, Any]]) -> None:
+        """Lines of another record file of this folder (`name`: a plain *.jsonl file name),
+        each written whole, synced once."""
+        if "/" in name or not name.endswith(".jsonl") or name.startswith("."):
+            raise ValueError(f"not a record file name of a run folder: {name!r}")
+        _append_many(self.root / name, records)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

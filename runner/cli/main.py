@@ -21,7 +21,7 @@ from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
-from ..engine import ConstrainedDecoding, Engine, SamplingParams
+from ..engine import SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
@@ -29,7 +29,7 @@ from ..store import RunFolderBusy, RunStore
 from ..tasks import RecordError, Task, load_tasks
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
-from .engines import ENGINES, EngineSetup
+from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
 from .parser import AIMD_FLAGS, build_parser
 
 log = logging.getLogger("concur")
@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
+    if args.ray is not None:  # a batch over many nodes: the workers build their own runners
+        from .scaleout import run_on_ray
+
+        todo = resume(args, plan, store)
+        bad = sum(1 for err in plan.bad if err.line > 0)
+        return run_on_ray(args, plan.tasks, todo, bad, plan.config, store, policy)
     try:
         sandbox = plan.sandbox or make_sandbox(args.sandbox)
     except SandboxUnavailable as e:
@@ -107,23 +113,7 @@ def run(
     setup: EngineSetup,
     policy: Policy,
 ) -> int:
-    if not args.keep_errors:  # only now: a failed start must not have dropped their records
-        again = store.retry_errors({t.id for t in plan.tasks})
-        if again:
-            log.info(
-                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
-                len(again),
-                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
-            )
-    todo = [t for t in plan.tasks if t.id not in store.finished]
-    log.info(
-        "%d tasks from %s: %d already finished in %s, %d to run",
-        len(plan.tasks),
-        plan.source,
-        len(plan.tasks) - len(todo),
-        plan.out,
-        len(todo),
-    )
+    resume(args, plan, store)
     plan.config.constrain_tool_calls = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
     progress = Progress(interval=args.progress_interval)
     batch = Batch(plan.tasks, setup.engine, sandbox, policy, store, plan.config, progress)
@@ -150,6 +140,28 @@ def run(
     return outcome.exit_code
 
 
+def resume(args: argparse.Namespace, plan: Plan, store: RunStore) -> list[Task]:
+    """What is left to run in the run folder (errors run again unless --keep-errors)."""
+    if not args.keep_errors:  # only now: a failed start must not have dropped their records
+        again = store.retry_errors({t.id for t in plan.tasks})
+        if again:
+            log.info(
+                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
+                len(again),
+                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
+            )
+    todo = [t for t in plan.tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(plan.tasks),
+        plan.source,
+        len(plan.tasks) - len(todo),
+        plan.out,
+        len(todo),
+    )
+    return todo
+
+
 # ---- options ------------------------------------------------------------------------------
 
 
@@ -173,20 +185,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
     if args.replay_from and args.engine != "replay":
         raise ValueError("--replay-from needs --engine replay")
+    if args.ray is not None or args.workers is not None:
+        from .scaleout import check_ray_options
+
+        check_ray_options(args)
 
 
 def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(t.strip() for t in args.tools.split(",") if t.strip())
-
-
-def constrain_tool_calls(choice: str, engine: Engine) -> bool:
-    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
-    can = isinstance(engine, ConstrainedDecoding)
-    if choice == "on" and not can:
-        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
-    if not isinstance(engine, ConstrainedDecoding):
-        return False
-    return choice == "on" or (choice == "auto" and engine.constrain_by_default)
 
 
 # ---- plans --------------------------------------------------------------------------------
@@ -231,10 +237,7 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     if args.eval_only:
         raise ValueError("--eval-only does not apply to --engine sim")
     workload = load_workload(args.workload, args.workload_seed)
-    options = sim_engine_options(args)
-    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
-        options["sessions"] = True
-    parts = sim_parts(workload, args.sim_deployment, options)
+    parts = sim_parts(workload, args.sim_deployment, sim_engine_options(args))
     out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
     if out.exists():
         shutil.rmtree(out)
@@ -247,26 +250,6 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     setup = EngineSetup(parts.engine, f"chosen with --engine sim ({args.sim_deployment})")
     source = f"sim:{workload.name}:{args.workload_seed}"
     return Plan(parts.tasks, [], source, out, config, NullSandbox(), setup, run_virtual)
-
-
-def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The simulated engine's settings from the simulation options (bench/paper.py's
-    `cli_args` writes the same options for each of its runs)."""
-    options: dict[str, Any] = {}
-    cap = args.sim_max_total_tokens
-    if cap is not None:
-        if cap < 1:
-            raise ValueError(f"--sim-max-total-tokens must be >= 1, got {cap}")
-        options["max_total_tokens"] = cap
-    if args.hicache_ratio > 0:
-        options["hicache_ratio"] = args.hicache_ratio
-    if args.hicache_size > 0:
-        options["hicache_size"] = args.hicache_size
-    if args.hicache_gbps is not None:
-        if args.hicache_gbps <= 0:
-            raise ValueError(f"--hicache-gbps must be > 0, got {args.hicache_gbps}")
-        options["pcie_bytes_per_s"] = args.hicache_gbps * 1e9
-    return options
 
 
 # ---- run folder and logging ---------------------------------------------------------------

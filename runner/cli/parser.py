@@ -223,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
         "summary.json), over the workspaces kept by a --keep-workspaces run",
     )
 
+    g = p.add_argument_group("many nodes (Ray; docs/scale-out.md)")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the batch on a Ray cluster, one run folder here, a whole runner per worker: "
+        "ADDRESS of its head (HOST:PORT); none: the cluster this machine belongs to, else a "
+        "new local one (needs pip install 'concur-runner[ray]')",
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        help="with --ray: how many workers (default: one per node; with SGLang, one per "
+        "tp x dp GPUs)",
+    )
+
     g = p.add_argument_group("display")
     g.add_argument(
         "--progress-interval",

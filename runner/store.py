@@ -5,6 +5,10 @@
   cut off (and kept in trajectories.jsonl.torn for inspection). Resume skips the task ids
   found. Rewriting it (retried errors, re-scored evals) goes through `rewrite_trajectories`
   only: a new file, fsync'd, renamed over the old one.
+- rollouts.jsonl: the token-level record of each finished agent (runner/records.py), written
+  the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
+  done), so a kill can leave at most one rollout line without a trajectory: the last one,
+  which is cut on open. Rewrites stream (new file, fsync'd, renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 """
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # runner/records.py: FORMAT
 
 
 def _repair(path: Path) -> int:
@@ -60,7 +64,11 @@ def _replace_durably(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -99,9 +107,40 @@ class RunStore:
         self.summary = root / "summary.json"
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
-        self.repaired_bytes = _repair(self.trajectories) + _repair(self.errors)
+        self.rollouts = root / "rollouts.jsonl"
+        self.repaired_bytes = (
+            _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
+        )
         self.finished: dict[str, dict[str, Any]] = {}
         self._load()
+        self.repaired_bytes += self._cut_orphan_rollout()
+
+    def _cut_orphan_rollout(self) -> int:
+        """A kill between an agent's rollout line and its trajectory line leaves that rollout
+        last in the file, for an agent that is not finished (it runs again): cut it."""
+        if not self.rollouts.exists():
+            return 0
+        with self.rollouts.open("rb+") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos, tail = end, b""
+            while pos > 0 and tail.count(b"\n") < 2:
+                step = min(1 << 16, pos)
+                pos -= step
+                f.seek(pos)
+                tail = f.read(step) + tail
+            lines = tail.rstrip(b"\n").split(b"\n")
+            last = lines[-1] if lines and lines[-1] else b""
+            try:
+                tid = json.loads(last)["task_id"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                return 0
+            if tid in self.finished:
+                return 0
+            keep = end - len(last) - 1
+            with self.rollouts.with_name(self.rollouts.name + ".torn").open("ab") as t:
+                t.write(last + b"\n")
+            f.truncate(keep)
+            return end - keep
 
     def _load(self) -> None:
         if not self.trajectories.exists():
@@ -129,7 +168,29 @@ class RunStore:
             return None
 
         self.rewrite_trajectories(drop)
+        self.rewrite_rollouts(lambda rec: None if rec.get("task_id") in retry else rec)
         return sorted(retry)
+
+    def rewrite_rollouts(self, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+        """Rewrite rollouts.jsonl durably, streaming (the file can be large), with `change`
+        applied to every record (None: drop it)."""
+        if not self.rollouts.exists():
+            return
+        tmp = self.rollouts.with_name(self.rollouts.name + ".tmp")
+        with self.rollouts.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
+            for line in src:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    dst.write(line)
+                    continue
+                new = change(rec)
+                if new is not None:
+                    dst.write(line if new is rec else _dumps(new))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.rollouts)
+        _fsync_dir(self.rollouts.parent)
 
     def rewrite_trajectories(
         self, change: Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -170,6 +231,13 @@ class RunStore:
                 )
             return
         write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source})
+
+    def finish(self, record: dict[str, Any], rollout: dict[str, Any] | None) -> None:
+        """Record one finished agent: its rollout line (if any), then its trajectory line,
+        which is what makes it count as done."""
+        if rollout is not None:
+            _append(self.rollouts, rollout)
+        self.add_trajectory(record)
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}

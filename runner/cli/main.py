@@ -25,7 +25,7 @@ from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
-from ..tasks import RecordError, Task, load_tasks
+from ..tasks import RecordError, Task, expand_samples, load_tasks
 from .engines import ENGINES, EngineSetup
 from .parser import AIMD_FLAGS, build_parser
 
@@ -47,7 +47,20 @@ class Plan:
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
 
 
+def export_command(argv: list[str]) -> int:
+    from ..export import main as export_main
+
+    return export_main(argv)
+
+
+# `run.py NAME ...`: subcommands, each a function of its argv returning an exit code
+SUBCOMMANDS = {"export": export_command}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         policy = policy_from_args(args)
@@ -153,6 +166,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
     if args.replay_from and args.engine != "replay":
         raise ValueError("--replay-from needs --engine replay")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
 
 
 def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
@@ -177,6 +192,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--tasks is required (a dataset file or a Hugging Face dataset name)")
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
     tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
+    tasks = expand_samples(tasks, args.samples)
     local = Path(source).is_file()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
@@ -195,6 +211,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
+        rollouts=not args.no_rollouts,
     )
     return Plan(tasks, bad, source, out, config)
 

@@ -214,16 +214,26 @@ def write_parquet(it: Iterator[dict[str, Any]], tmp: Path, feats: Any) -> int:
     return n
 
 
-def build_dataset(it: Iterator[dict[str, Any]], feats: Any, cache: Path) -> Any:
-    """A `datasets.Dataset` written to Arrow files under `cache` as rows come (not in RAM)."""
+def _generate(runs: str, fmt: str, only: str, min_reward: float | None) -> Iterator[dict]:
+    sel = Selection(only, min_reward)
+    yield from rows([Path(r) for r in json.loads(runs)], fmt, sel, "dataset")
+
+
+def build_dataset(runs: list[Path], fmt: str, sel: Selection, feats: Any, cache: Path) -> Any:
+    """A `datasets.Dataset` written to Arrow files under `cache` as rows come (not in RAM).
+    The arguments are plain values: `datasets` hashes them (and pickles the function)."""
     import datasets
 
     datasets.disable_progress_bars()
-
-    def gen() -> Iterator[dict[str, Any]]:
-        yield from it
-
-    return datasets.Dataset.from_generator(gen, features=feats, cache_dir=str(cache))
+    kwargs = {
+        "runs": json.dumps([str(r) for r in runs]),
+        "fmt": fmt,
+        "only": sel.only,
+        "min_reward": sel.min_reward,
+    }
+    return datasets.Dataset.from_generator(
+        _generate, features=feats, cache_dir=str(cache), gen_kwargs=kwargs
+    )
 
 
 def export(
@@ -262,7 +272,7 @@ def export(
         elif how == "parquet":
             n = write_parquet(it, tmp, feats)
         else:
-            ds = build_dataset(it, feats, work / "cache")
+            ds = build_dataset(runs, fmt, sel, feats, work / "cache")
             n = len(ds)
             if push_to_hub:
                 _push(ds, push_to_hub)

@@ -149,8 +149,10 @@ class Agent:
         self._append_output(gen)
 
         call = self.parse(gen.text)
-        call_id = f"call_{n}" if isinstance(call, ToolCall) else None
-        calls = [tool_call(f"call_{n}", call.name, call.arguments)] if call_id else None
+        call_id, calls = None, None
+        if isinstance(call, ToolCall):
+            call_id = f"call_{n}"
+            calls = [tool_call(call_id, call.name, call.arguments)]
         self.messages.append(message("assistant", gen.text, calls))
         obs = await self.act(call, step)
         step.observation = cap(obs.text, OBSERVATION_RECORD_CAP)

@@ -183,9 +183,9 @@ def trajectory(
 
 
 def evaluated(rec: dict[str, Any]) -> bool:
-    """Whether an eval ran for this record (format 2: eval.command set; format 1: an eval)."""
+    """Whether an eval ran for this record (eval.command set)."""
     ev = rec.get("eval")
-    return bool(ev) and ev.get("command") is not None
+    return isinstance(ev, dict) and ev.get("command") is not None
 
 
 def eval_reward(ev: dict[str, Any]) -> float | None:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.core import ToolContext, get_tools
+from tools.core import ToolContext
+from tools.registry import get_tools
 from tools.sandbox import BwrapSandbox, Limits
 
 RESULTS = Path(__file__).resolve().parent / "results"

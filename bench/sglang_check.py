@@ -35,7 +35,8 @@ from runner.engines.sglang import (  # noqa: E402
 )
 from runner.template import turn_delta  # noqa: E402
 from runner.toolcall import ParseError, parse_tool_call  # noqa: E402
-from tools.core import call_schema, get_tools, schema  # noqa: E402
+from tools.core import call_schema, schema  # noqa: E402
+from tools.registry import get_tools  # noqa: E402
 
 SYSTEM = (
     "You are a careful software engineering agent working in a repository. "

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.core import DEFAULT_TOOLS, Tool, ToolContext, get_tools
+from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
-from tools.sandbox import AGENT_UID_BASE, Limits, Sandbox, move_tree, remove_tree
+from tools.registry import DEFAULT_TOOLS, get_tools
+from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, remove_tree
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
@@ -34,7 +35,7 @@ from .gate import AdmissionGate, Gate
 from .policies import Policy
 from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
-from .records import eval_field, evaluated, patch_field, rollout_record, setup_field, trajectory
+from .records import eval_field, patch_field, rollout_record, setup_field, trajectory
 from .rewards import reward_fields, sample_seed
 from .store import RunStore
 from .tasks import Task
@@ -52,7 +53,7 @@ class BatchConfig:
     max_steps: int = 20
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
-    # name -> tool factory; None: the production tools (tools/core.py). Simulated runs pass
+    # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
     # their own (runner/sim/tools.py), so a real run never sees the simulated tool.
     tool_registry: Mapping[str, Callable[[], Tool]] | None = None
     control_period: float = DEFAULT_CONTROL_PERIOD
@@ -79,8 +80,6 @@ class Totals:
     generated: int = 0
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
-    solved: int = 0
-    evaluated: int = 0
 
 
 class EngineDead(RuntimeError):
@@ -92,7 +91,7 @@ class Batch:
         self,
         tasks: list[Task],
         engine: Engine,
-        sandbox: Sandbox,
+        sandbox: CommandSandbox,
         policy: Policy,
         store: RunStore,
         config: BatchConfig,
@@ -397,9 +396,6 @@ class Batch:
     def _count(self, rec: dict[str, Any]) -> None:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
-        if evaluated(rec):
-            t.evaluated += 1
-            t.solved += bool(rec["eval"]["solved"])
 
 
 def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
@@ -427,7 +423,7 @@ class _SetupFailed(Exception):
 
 
 async def evaluate(
-    sandbox: Sandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
+    sandbox: CommandSandbox, task: Task, workspace: Path, uid: int, limits: Limits, timeout: float
 ) -> dict[str, Any] | None:
     """Run the task's `eval` command in a fresh sandbox over the workspace as it is now.
     None when the task has no eval (or the workspace is gone)."""

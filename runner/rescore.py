@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import AGENT_UID_BASE, Sandbox, move_tree, remove_tree
+from tools.sandbox import AGENT_UID_BASE, CommandSandbox, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
 from .records import eval_field, eval_reward
@@ -34,7 +34,7 @@ class RescoreError(RuntimeError):
 
 
 def rescore(
-    tasks: list[Task], store: RunStore, sandbox: Sandbox, config: BatchConfig
+    tasks: list[Task], store: RunStore, sandbox: CommandSandbox, config: BatchConfig
 ) -> dict[str, Any]:
     """Re-run the evals; rewrite trajectories.jsonl and summary.json. -> the summary's
     `eval_only` section. RescoreError when there is nothing to score."""
@@ -89,7 +89,7 @@ def rescore(
 
 
 async def _run_all(
-    tasks: list[Task], ws_dir: Path, sandbox: Sandbox, config: BatchConfig
+    tasks: list[Task], ws_dir: Path, sandbox: CommandSandbox, config: BatchConfig
 ) -> dict[str, dict[str, Any] | None]:
     sem = asyncio.Semaphore(EVAL_CONCURRENCY)
     # A kept workspace may sit where the sandbox uids cannot reach it (e.g. under /root): then

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tools.core import ToolContext
-from tools.sandbox import Limits, Sandbox
+from tools.sandbox import CommandSandbox, Limits
 
 from .records import eval_reward, evaluated
 from .tasks import Task
@@ -34,7 +34,7 @@ def sample_seed(seed: int, k: int) -> int:
 
 
 async def reward_fields(
-    sandbox: Sandbox, task: Task, ctx: ToolContext, ev: dict[str, Any], timeout: float
+    sandbox: CommandSandbox, task: Task, ctx: ToolContext, ev: dict[str, Any], timeout: float
 ) -> dict[str, Any]:
     """reward, reward_source, reward_error, reward_output for a finished agent."""
     if not task.reward:

@@ -282,7 +282,7 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ):
         raise ValueError('"tools" must be a list of tool names')
     if tools is not None:
-        from tools.core import REGISTRY  # the tool names a task may ask for
+        from tools.registry import REGISTRY  # the tool names a task may ask for
 
         unknown = [t for t in tools if t not in REGISTRY]
         if unknown:

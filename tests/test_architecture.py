@@ -4,7 +4,7 @@ import json
 import time
 
 from runner.sim.tools import SIM_TOOLS
-from tools.core import REGISTRY
+from tools.registry import REGISTRY
 
 from .conftest import read_jsonl, run_cli
 

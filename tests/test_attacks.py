@@ -17,12 +17,16 @@ import threading
 import time
 from pathlib import Path
 
-from tools.core import ToolContext, get_tools
+from tools.core import ToolContext
+from tools.registry import get_tools
 from tools.sandbox import AGENT_UID_BASE, BwrapSandbox, Limits
 
 from .conftest import SWE, read_jsonl, run_cli
 
-TOOL_TIMEOUT = 3
+# Every call but the fork bomb and the CPU loop (killed at it) must end within the tool
+# timeout, 15 agents at once, git setup and submit included. 3 s was too tight on a loaded
+# 2-core machine: the disk fill took 3.15 s to reach 256 MiB beside 8 busy loops.
+TOOL_TIMEOUT = 10
 FAST = ["--engine", "replay", "--policy", "none", "--n-ctx", "1000000", "--control-period", "0.5"]
 HOST_MARKERS = ("/etc/pwned-by-agent", "/usr/pwned-by-agent", "/pwned-by-agent")
 

@@ -12,7 +12,8 @@ from runner.engine import SamplingParams
 from runner.engines.llama_cpp import LlamaCppEngine
 from runner.gate import Gate
 from runner.tasks import Task
-from tools.core import ToolContext, get_tools
+from tools.core import ToolContext
+from tools.registry import get_tools
 from tools.sandbox import AGENT_UID_BASE, make_sandbox
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,9 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,15 +52,24 @@ def workspace(sb: Sandbox, base: Path, uid: int) -> Path:
 
 
 def run(
-    sb: Sandbox, base: Path, uid: int, command: str, stdin: str | None = None, **limits: float
+    sb: Sandbox, base: Path, uid: int, command: str, stdin: str | None = None, **limits: Any
 ) -> ExecResult:
     ws = workspace(sb, base, uid)
-    return asyncio.run(sb.run(command, ws, uid, Limits(**limits), stdin=stdin))  # type: ignore[arg-type]
+    return asyncio.run(sb.run(command, ws, uid, Limits(**limits), stdin=stdin))
 
 
 def procs_of(uid: int) -> str:
     p = subprocess.run(["pgrep", "-a", "-u", str(uid)], capture_output=True, text=True)
     return p.stdout
+
+
+async def running(uid: int, what: str, within: float = 30.0) -> None:
+    """Wait until a process of `uid` runs `what`: on a loaded machine a sandbox can take
+    longer to start than any fixed sleep (0.33 s measured beside 8 busy loops)."""
+    deadline = time.monotonic() + within
+    while what not in procs_of(uid):
+        assert time.monotonic() < deadline, f"{what!r} did not start within {within}s"
+        await asyncio.sleep(0.02)
 
 
 def test_echo_and_exit_codes(sb: BwrapSandbox, base: Path) -> None:
@@ -269,8 +280,7 @@ def test_cancel_kills_process_group(sb: BwrapSandbox, base: Path) -> None:
 
     async def main() -> None:
         task = asyncio.create_task(sb.run("setsid sleep 100 & sleep 100", ws, uid))
-        await asyncio.sleep(0.5)
-        assert "sleep 100" in procs_of(uid)
+        await running(uid, "sleep 100")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -290,7 +300,7 @@ def test_aclose_kills_running(sb: BwrapSandbox, base: Path) -> None:
     async def main() -> None:
         own = BwrapSandbox()
         task = asyncio.create_task(own.run("sleep 100", ws, uid))
-        await asyncio.sleep(0.3)
+        await running(uid, "sleep 100")
         await own.aclose()
         await own.aclose()  # idempotent
         assert procs_of(uid) == ""
@@ -370,9 +380,11 @@ def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Pat
     r = run(sb, base, uid, "for i in $(seq 1100); do mkdir d && cd d; done; echo made")
     assert r.workspace_over_limit  # too deep to walk: counts as over (and the watch kills it)
     deep = base / f"ws{uid}"
-    subprocess.run(
-        ["bash", "-c", "for i in $(seq 1100); do mkdir -p d && cd d; done"], cwd=deep, check=True
-    )
+    # the whole 1,100 levels on the host too, in one process (a mkdir per level took 31 s on
+    # a loaded machine)
+    levels = "/".join(["d"] * 1100)
+    subprocess.run(["mkdir", "-p", levels], cwd=deep, check=True)
+    assert (deep / levels).is_dir()
     remove_tree(deep)  # no RecursionError (shutil.rmtree would raise), nothing left
     assert not deep.exists()
     # every hard-link name costs a block: 2,000 links to one byte are 8 MB, not 1 byte

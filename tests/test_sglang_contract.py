@@ -49,7 +49,8 @@ from tests.sglang_double import (
     fake_logprob,
     install_fake_sglang,
 )
-from tools.core import Observation, Submit, ToolContext
+from tools.core import Observation, ToolContext
+from tools.submit import Submit
 
 SP = SamplingParams(temperature=0.6, top_p=0.95, max_new_tokens=64, stop=("</tool_call>",))
 

@@ -203,7 +203,8 @@ def test_parse_error_is_a_value_error():
 
 
 def test_call_schema_covers_each_tool_and_its_arguments():
-    from tools.core import call_schema, get_tools
+    from tools.core import call_schema
+    from tools.registry import get_tools
 
     tools = get_tools(("bash", "submit"))
     alts = call_schema(tools)["oneOf"]

@@ -18,9 +18,10 @@ from runner.agent import Agent
 from runner.engine import SamplingParams
 from runner.engines.replay import ReplayEngine, scripts_from_trajectories
 from runner.tasks import Task
-from tools.core import DEFAULT_TOOLS, REGISTRY, ToolContext, check_args, get_tools, schema
+from tools.core import ToolContext, check_args, schema
 from tools.editor import StrReplaceEditor
 from tools.gitrepo import ensure_repo
+from tools.registry import DEFAULT_TOOLS, REGISTRY, get_tools
 from tools.sandbox import BwrapSandbox, Limits, UnsandboxedSandbox
 
 pytestmark = [

@@ -48,6 +48,21 @@ def _trim(hist: dict[str, list[str | None]]) -> None:
             size -= len(steps.pop(0) or "")
 
 
+def _remember(hist: dict[str, list[str | None]], key: str, res: dict[str, Any]) -> None:
+    """Keep the content an edit replaced (from the helper's reply) as an undo step."""
+    old = None
+    if res.get("old_b64") is not None:
+        try:
+            old = base64.b64decode(res["old_b64"]).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            old = None
+    if old is not None or not res.get("existed", True):
+        steps = hist.setdefault(key, [])
+        steps.append(old)  # None: the edit created the file; undo removes it
+        del steps[:-HISTORY_PER_FILE]
+        _trim(hist)
+
+
 @dataclass
 class StrReplaceEditor:
     name: str = "str_replace_editor"
@@ -106,36 +121,28 @@ class StrReplaceEditor:
             key = normalize(root, args.get("path"))
         except EditorError as e:
             return Observation(str(e), ok=False)
-        hist = _history(ctx)
         if cmd == "undo_edit":
-            steps = hist.get(key)
-            if not steps:
-                return Observation(f"No edit history found for {key}.", ok=False)
-            prev = steps.pop()
-            req: dict[str, Any] = {"command": "restore", "path": key}
-            req["content_b64"] = (
-                None if prev is None else base64.b64encode(prev.encode("utf-8")).decode()
-            )
-            res = await self._helper(req, root, ctx)
-            if not res["ok"]:
-                steps.append(prev)  # nothing was undone: keep the step
-            return Observation(cap(res["text"]), ok=res["ok"])
+            return await self._undo(key, root, ctx)
         req = {k: v for k, v in args.items() if k != "command"}
         req.update(command=cmd, path=key)
         res = await self._helper(req, root, ctx)
         if res["ok"] and cmd != "view":
-            old = None
-            if res.get("old_b64") is not None:
-                try:
-                    old = base64.b64decode(res["old_b64"]).decode("utf-8")
-                except (binascii.Error, UnicodeDecodeError):
-                    old = None
-            if old is not None or not res.get("existed", True):
-                steps = hist.setdefault(key, [])
-                steps.append(old)  # None: the edit created the file; undo removes it
-                del steps[:-HISTORY_PER_FILE]
-                _trim(hist)
+            _remember(_history(ctx), key, res)
         return Observation(cap(res["text"]), ok=bool(res["ok"]))
+
+    async def _undo(self, key: str, root: str, ctx: ToolContext) -> Observation:
+        steps = _history(ctx).get(key)
+        if not steps:
+            return Observation(f"No edit history found for {key}.", ok=False)
+        prev = steps.pop()
+        req: dict[str, Any] = {"command": "restore", "path": key}
+        req["content_b64"] = (
+            None if prev is None else base64.b64encode(prev.encode("utf-8")).decode()
+        )
+        res = await self._helper(req, root, ctx)
+        if not res["ok"]:
+            steps.append(prev)  # nothing was undone: keep the step
+        return Observation(cap(res["text"]), ok=res["ok"])
 
     async def _helper(self, req: dict[str, Any], root: str, ctx: ToolContext) -> dict[str, Any]:
         """Run one request in the sandbox. Failures of the sandbox itself become replies."""

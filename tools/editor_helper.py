@@ -92,7 +92,8 @@ def _display(text: str) -> list[str]:
 
 def _cap_lines(header: str, lines: list[str], first: int, total: int, max_chars: int) -> str:
     """`cat -n` of lines[first..], cut at whole lines once max_chars is reached."""
-    out, size = [], len(header)
+    out: list[str] = []
+    size = len(header)
     for k, line in enumerate(lines):
         row = f"{first + k:6}\t{line}"
         if size + len(row) + 1 > max_chars and out:
@@ -171,6 +172,22 @@ def view(req: dict[str, Any], full: str, real: str) -> str:
         return _view_dir(full, real, max_chars)
     if not os.path.isfile(real):
         raise EditorError(f"The path {full} is not a regular file or directory.")
+    _check_view_range(vr)
+    start, end = (vr[0], vr[1]) if vr else (1, -1)
+    lines, total = _read_lines(full, real, start, end, max_chars)
+    if vr:
+        _check_range_in_file(vr, start, end, total)
+    if total == 0:
+        return f"Here's the result of running `cat -n` on {full}:\n(the file is empty)"
+    header = f"Here's the result of running `cat -n` on {full}:\n"
+    last = total if end == -1 else min(end, total)
+    text = _cap_lines(header, lines, start, total, max_chars)
+    if vr and end != -1 and end > total:
+        text += f"\n[the file has only {total} lines: showing up to line {last}]"
+    return text
+
+
+def _check_view_range(vr: Any) -> None:
     if vr is not None and (
         not isinstance(vr, list)
         or len(vr) != 2
@@ -180,6 +197,13 @@ def view(req: dict[str, Any], full: str, real: str) -> str:
             "Invalid `view_range`: it should be a list of two integers [start, end] "
             "(1-based, end inclusive; end -1 means to the end of the file)."
         )
+
+
+def _read_lines(
+    full: str, real: str, start: int, end: int, max_chars: int
+) -> tuple[list[str], int]:
+    """(the lines start..end, up to about max_chars; the file's line count). Streamed: only
+    the lines shown are kept."""
     lines: list[str] = []
     total = 0
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -191,33 +215,27 @@ def view(req: dict[str, Any], full: str, real: str) -> str:
                 "(e.g. `xxd FILE | head`)."
             )
         f.seek(0)
-        start, end = (vr[0], vr[1]) if vr else (1, -1)
         size = 0
-        for raw in f:  # streamed: only the lines shown are kept
+        for raw in f:
             total += 1
             if total >= start and (end == -1 or total <= end) and size <= max_chars:
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
                 lines.append(line)
                 size += len(line) + 8
-    if vr:
-        if not 1 <= start <= max(total, 1):
-            raise EditorError(
-                f"Invalid `view_range`: {vr}. Its first element `{start}` should be within "
-                f"the range of lines of the file: [1, {total}]."
-            )
-        if end != -1 and end < start:
-            raise EditorError(
-                f"Invalid `view_range`: {vr}. Its second element `{end}` should be larger or "
-                f"equal than its first `{start}` (or -1 for the end of the file)."
-            )
-    if total == 0:
-        return f"Here's the result of running `cat -n` on {full}:\n(the file is empty)"
-    header = f"Here's the result of running `cat -n` on {full}:\n"
-    last = total if end == -1 else min(end, total)
-    text = _cap_lines(header, lines, start, total, max_chars)
-    if vr and end != -1 and end > total:
-        text += f"\n[the file has only {total} lines: showing up to line {last}]"
-    return text
+    return lines, total
+
+
+def _check_range_in_file(vr: list[int], start: int, end: int, total: int) -> None:
+    if not 1 <= start <= max(total, 1):
+        raise EditorError(
+            f"Invalid `view_range`: {vr}. Its first element `{start}` should be within "
+            f"the range of lines of the file: [1, {total}]."
+        )
+    if end != -1 and end < start:
+        raise EditorError(
+            f"Invalid `view_range`: {vr}. Its second element `{end}` should be larger or "
+            f"equal than its first `{start}` (or -1 for the end of the file)."
+        )
 
 
 def _view_dir(full: str, real: str, max_chars: int) -> str:
@@ -229,21 +247,21 @@ def _view_dir(full: str, real: str, max_chars: int) -> str:
         nonlocal hidden, more
         try:
             entries = sorted(os.scandir(dir_real), key=lambda e: e.name)
-        except OSError as e:
-            rows.append(f"{dir_shown}/ [cannot list: {e.strerror}]")
+        except OSError as err:
+            rows.append(f"{dir_shown}/ [cannot list: {err.strerror}]")
             return
-        for e in entries:
-            if e.name.startswith("."):
+        for entry in entries:
+            if entry.name.startswith("."):
                 hidden += 1
                 continue
-            shown = f"{dir_shown.rstrip('/')}/{e.name}"
-            is_dir = e.is_dir(follow_symlinks=False)
+            shown = f"{dir_shown.rstrip('/')}/{entry.name}"
+            is_dir = entry.is_dir(follow_symlinks=False)
             if len(rows) >= DIR_MAX_ENTRIES:
                 more += 1
                 continue
-            rows.append(shown + ("/" if is_dir else "@" if e.is_symlink() else ""))
+            rows.append(shown + ("/" if is_dir else "@" if entry.is_symlink() else ""))
             if is_dir and depth < DIR_DEPTH:
-                walk(e.path, shown, depth + 1)
+                walk(entry.path, shown, depth + 1)
 
     walk(real, full, 1)
     text = (

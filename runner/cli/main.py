@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.core import REGISTRY as TOOL_REGISTRY
-from tools.sandbox import Limits, Sandbox, SandboxUnavailable, make_sandbox
+from tools.registry import REGISTRY as TOOL_REGISTRY
+from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
 from ..engine import ConstrainedDecoding, Engine, SamplingParams
@@ -42,7 +42,7 @@ class Plan:
     source: str  # what the run folder belongs to
     out: Path
     config: BatchConfig
-    sandbox: Sandbox | None = None  # None: the one --sandbox asks for
+    sandbox: CommandSandbox | None = None  # None: the one --sandbox asks for
     setup: EngineSetup | None = None  # None: built from ENGINES once the run folder is ours
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
 
@@ -96,7 +96,7 @@ def run(
     args: argparse.Namespace,
     plan: Plan,
     store: RunStore,
-    sandbox: Sandbox,
+    sandbox: CommandSandbox,
     setup: EngineSetup,
     policy: Policy,
 ) -> int:
@@ -288,7 +288,9 @@ def fail(msg: str) -> int:
     return 2
 
 
-def eval_only(tasks: list[Task], store: RunStore, sandbox: Sandbox, config: BatchConfig) -> int:
+def eval_only(
+    tasks: list[Task], store: RunStore, sandbox: CommandSandbox, config: BatchConfig
+) -> int:
     from ..rescore import RescoreError, rescore
 
     try:

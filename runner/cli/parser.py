@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tools.core import DEFAULT_TOOLS
-from tools.core import REGISTRY as TOOL_REGISTRY
+from tools.registry import DEFAULT_TOOLS
+from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import Limits
 
 from ..batch import BatchConfig

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.core import Observation, Submit, Tool, ToolContext
+from tools.core import Observation, Tool, ToolContext
+from tools.submit import Submit
 
 
 @dataclass
@@ -45,6 +46,9 @@ class NullSandbox:
     def prepare_workspace(self, workspace: Any, uid: int) -> None:
         return None
 
+    def workdir(self, workspace: Any) -> str:
+        return str(workspace)
+
     async def run(self, command: str, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"the simulator runs no commands (asked to run {command!r})")
 
@@ -52,6 +56,6 @@ class NullSandbox:
         return None
 
 
-# The tools of simulated runs. The production registry (tools/core.py) does not know them: a
+# The tools of simulated runs. The production registry (tools/registry.py) does not know them: a
 # real task that names `sim_tool` gets "unknown tool" like any other name.
 SIM_TOOLS: dict[str, Callable[[], Tool]] = {"sim_tool": SimTool, "submit": Submit}

@@ -190,6 +190,7 @@ class SimModel:
             raise ValueError("sim model: the prompt names no agent of the workload") from None
         trace = self.w.agents[agent]
         k = prompt.count(self._assistant) - 1  # assistant turns before this one
+        call: dict[str, Any]
         if k >= len(trace.steps) - 1:
             call = {"name": "submit", "arguments": {"answer": "done"}}
             k = len(trace.steps) - 1

@@ -1,0 +1,36 @@
+"""Run agent shell commands in a bubblewrap sandbox, one unprivileged host uid per agent.
+
+Design, and what is and is not contained: docs/sandbox.md. The modules, each one job:
+
+- limits.py: Limits, ExecResult, SandboxUnavailable, the uid constants, the CommandSandbox
+  protocol;
+- filesystem.py: the root-side walkers over workspace trees (chown, disk usage), removal and
+  moving of trees;
+- processes.py: spawning one command, its output, wall clock and workspace watch, kill/reap;
+- cgroups.py: the per-agent cgroup v1 memory groups;
+- bwrap.py: the command line (prlimit, setpriv, bwrap flags, the environment inside) and the
+  startup probe;
+- sandboxes.py: Sandbox, BwrapSandbox, UnsandboxedSandbox and make_sandbox.
+
+The names below are the public interface; everything else is internal to this package.
+"""
+
+from .bwrap import probe_bwrap
+from .filesystem import move_tree, remove_tree
+from .limits import AGENT_UID_BASE, CommandSandbox, ExecResult, Limits, SandboxUnavailable
+from .sandboxes import BwrapSandbox, Sandbox, UnsandboxedSandbox, make_sandbox
+
+__all__ = [
+    "AGENT_UID_BASE",
+    "BwrapSandbox",
+    "CommandSandbox",
+    "ExecResult",
+    "Limits",
+    "Sandbox",
+    "SandboxUnavailable",
+    "UnsandboxedSandbox",
+    "make_sandbox",
+    "move_tree",
+    "probe_bwrap",
+    "remove_tree",
+]

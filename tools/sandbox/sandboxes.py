@@ -1,0 +1,258 @@
+"""The sandboxes: `Sandbox.run` runs one `bash -c command` for one agent (one uid) in its
+workspace and returns an ExecResult; the subclasses say how it is wrapped (bwrap, or mode
+"none": rlimits and the uid only). `make_sandbox(mode)` is how the runner gets one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from .bwrap import (
+    BASH,
+    INNER_PATH,
+    bwrap_argv,
+    find_bwrap,
+    host_wrappers,
+    inner_env,
+    prlimit_argv,
+    probe_bwrap,
+    setpriv_argv,
+    unavailable_message,
+    which,
+)
+from .cgroups import cgroup_prefix, close_cgroups
+from .filesystem import disk_usage, prepare_tree
+from .limits import ExecResult, Limits, SandboxUnavailable, check_uid
+from .processes import Run, inflight, normalize_rc, spawn, watch
+
+log = logging.getLogger("concur.sandbox")
+
+MODES = ("bwrap", "none")
+_DEFAULT_LIMITS = Limits()  # a frozen dataclass: safe to share as a default
+
+
+class Sandbox:
+    """Runs `bash -c command` for one agent (one uid) in its workspace. Subclasses say how."""
+
+    mode: ClassVar[str] = ""
+    WORKDIR: ClassVar[str] = ""
+    _uses_info_fd: ClassVar[bool] = False  # bwrap reports its pid namespace on an extra fd
+
+    def __init__(self) -> None:
+        self._wrappers = host_wrappers()  # (prlimit, setpriv); raises SandboxUnavailable
+        self._runs: set[Run] = set()
+        # Size of each workspace after its last command (exact up to 2x its limit).
+        self._ws_usage: dict[Path, int] = {}
+
+    def workdir(self, workspace: Path) -> str:
+        """The path the command sees as its cwd for this workspace."""
+        return self.WORKDIR
+
+    def prepare_workspace(self, workspace: Path, uid: int) -> None:
+        """mkdir -p, chown -R uid:uid, mode 0700. Call once per agent, before its commands."""
+        prepare_tree(workspace, uid)
+
+    def _argv(
+        self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
+    ) -> tuple[list[str], str, dict[str, str]]:
+        """(argv, cwd for the spawn, env for the spawn)."""
+        raise NotImplementedError
+
+    def _sweep_argv(self, uid: int) -> list[str] | None:
+        return None
+
+    async def run(
+        self,
+        command: str,
+        workspace: Path,
+        uid: int,
+        limits: Limits = _DEFAULT_LIMITS,
+        stdin: str | None = None,
+    ) -> ExecResult:
+        check_uid(uid)
+        workspace = Path(workspace).resolve()
+        if not workspace.is_dir():
+            raise FileNotFoundError(
+                f"workspace {workspace} does not exist; call prepare_workspace() first"
+            )
+        loop = asyncio.get_running_loop()
+        info_r, info_w = os.pipe() if self._uses_info_fd else (None, None)
+        argv, cwd, env = self._argv(command, workspace, uid, limits, info_w)
+        start = time.monotonic()
+        proc = spawn(argv, cwd, env, stdin is not None, info_r, info_w)
+        run = Run(loop, proc, uid, limits.output_bytes, info_r, self._sweep_argv(uid))
+        self._runs.add(run)
+        try:
+            with inflight(uid):
+                timed_out, disk_kill = await self._supervise(run, workspace, limits, start, stdin)
+        finally:
+            self._runs.discard(run)
+        seconds = time.monotonic() - start
+        return await self._result(run, workspace, limits, timed_out, disk_kill, seconds)
+
+    async def _supervise(
+        self, run: Run, workspace: Path, limits: Limits, start: float, stdin: str | None
+    ) -> tuple[bool, bool]:
+        """Feed stdin, wait for the end (or the timeout, or the workspace limit), tear down.
+        -> (timed out, killed for the workspace size)."""
+        try:
+            await run.start_io(None if stdin is None else stdin.encode())
+            baseline = self._ws_usage.get(workspace, 0)
+            timed_out, disk_kill = await watch(run, workspace, limits, start, baseline)
+            if timed_out or disk_kill:
+                run.kill()
+            await run.ensure_finish()
+            return timed_out, disk_kill
+        except BaseException:
+            # Cancelled (or anything else): kill synchronously, before the exception
+            # propagates, then let the teardown finish even if cancelled again.
+            run.kill()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.shield(run.ensure_finish())
+            raise
+
+    async def _result(
+        self,
+        run: Run,
+        workspace: Path,
+        limits: Limits,
+        timed_out: bool,
+        disk_kill: bool,
+        seconds: float,
+    ) -> ExecResult:
+        output, truncated = run.output()
+        used = await asyncio.to_thread(disk_usage, workspace, 2 * limits.workspace_bytes)
+        self._ws_usage[workspace] = used
+        over = used > limits.workspace_bytes or disk_kill
+        output += _workspace_note(used, limits, disk_kill, over)
+        rc = run.proc.returncode
+        return ExecResult(
+            exit_code=None if timed_out or disk_kill or rc is None else normalize_rc(rc),
+            output=output,
+            timed_out=timed_out,
+            truncated=truncated,
+            seconds=seconds,
+            workspace_over_limit=over,
+            killed="timeout" if timed_out else "workspace" if disk_kill else None,
+        )
+
+    async def aclose(self) -> None:
+        """Kill every command of this sandbox still running and wait for their teardown;
+        remove the agents' (now empty) memory cgroups."""
+        runs = list(self._runs)
+        for r in runs:
+            r.kill()
+        if runs:
+            await asyncio.gather(*(r.ensure_finish() for r in runs), return_exceptions=True)
+        close_cgroups()
+
+
+def _workspace_note(used: int, limits: Limits, disk_kill: bool, over: bool) -> str:
+    if disk_kill:
+        return (
+            f"\n[killed: the workspace grew past its size limit of "
+            f"{_human(limits.workspace_bytes)} while the command ran; delete files to get "
+            "back under it]"
+        )
+    if over:
+        return (
+            f"\n[workspace over its size limit: more than {_human(used)} used, limit "
+            f"{_human(limits.workspace_bytes)}; delete files to get back under it]"
+        )
+    return ""
+
+
+def _human(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024 or unit == "GiB":
+            break
+    return f"{x:.1f} {unit}"
+
+
+class BwrapSandbox(Sandbox):
+    mode: ClassVar[str] = "bwrap"
+    WORKDIR: ClassVar[str] = "/work"
+    _uses_info_fd: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bwrap = find_bwrap()
+
+    def _argv(
+        self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
+    ) -> tuple[list[str], str, dict[str, str]]:
+        argv = bwrap_argv(
+            self._wrappers, self._bwrap, command, workspace, uid, limits, info_fd, self.WORKDIR
+        )
+        # The wrappers start in "/"; the command's cwd comes from --chdir.
+        return argv, "/", {"PATH": INNER_PATH}
+
+
+class UnsandboxedSandbox(Sandbox):
+    """Mode "none": rlimits, per-agent uid, own session and process-group kill, but NO
+    filesystem or network isolation. After each command every process of the uid is killed
+    (unless another command of the same uid is still running)."""
+
+    mode: ClassVar[str] = "none"
+    WORKDIR: ClassVar[str] = "."  # the real path depends on the workspace: see workdir()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kill = which("kill")
+        log.warning(
+            "SANDBOX DISABLED (--sandbox none): agent commands run on the host without "
+            "filesystem or network isolation, only as a per-agent uid with rlimits. They can "
+            "read any world-readable file, reach the network and local services. Use only for "
+            "trusted workloads; install bubblewrap (apt-get install -y bubblewrap) to isolate."
+        )
+
+    def workdir(self, workspace: Path) -> str:
+        return str(Path(workspace).resolve())
+
+    def _argv(
+        self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
+    ) -> tuple[list[str], str, dict[str, str]]:
+        prlimit, setpriv = self._wrappers
+        argv = [
+            *cgroup_prefix(uid, limits),
+            *prlimit_argv(prlimit, limits),
+            *setpriv_argv(setpriv, uid),
+            BASH,
+            "-c",
+            command,
+        ]
+        return argv, str(workspace), inner_env(str(workspace))
+
+    def _sweep_argv(self, uid: int) -> list[str] | None:
+        # No prlimit here: the sweep must work even while the uid is at its nproc limit.
+        killer = [self._kill, "-KILL", "-1"] if self._kill else [BASH, "-c", "kill -KILL -1"]
+        return [
+            self._wrappers[1],
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--",
+            *killer,
+        ]
+
+
+def make_sandbox(mode: str) -> Sandbox:
+    if mode == "bwrap":
+        sb = BwrapSandbox()  # raises SandboxUnavailable itself when not root / not installed
+        reason = probe_bwrap()
+        if reason is not None:
+            raise SandboxUnavailable(unavailable_message(reason))
+        return sb
+    if mode == "none":
+        return UnsandboxedSandbox()
+    raise ValueError(f"unknown sandbox mode {mode!r}; valid modes: {', '.join(MODES)}")

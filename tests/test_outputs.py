@@ -104,6 +104,8 @@ def check_schema(out: Path) -> None:
 
 def check_tokens(traj: dict, roll: dict, tok, logprobs: bool) -> None:
     """The done-when of the token-level rollouts, for one agent."""
+    for m in traj["messages"]:  # the replay tokenizer learns its words by encoding them
+        tok.encode(m["content"])
     prompt, resp, mask = roll["prompt_ids"], roll["response_ids"], roll["response_mask"]
     assert len(mask) == len(resp) and set(mask) <= {0, 1}
     assert len(prompt) + len(resp) == traj["context_tokens"]
@@ -125,6 +127,7 @@ def check_tokens(traj: dict, roll: dict, tok, logprobs: bool) -> None:
                 else ("user", f"<tool_response>\n{m['content']}\n</tool_response>")
             )
             delta = turn_delta(lambda ms, g: tok.render(ms, None, g), role, content, eos)
+            assert obs == tok.encode(delta)
             assert "".join(tok.token_text(i) for i in obs) == delta
     assert replies == said[len(said) - traj["steps"] :]
     # the mask-1 ids, in order, are the model's outputs

@@ -5,15 +5,18 @@ agent becomes one line on disk. One agent's failure is a record, never the batch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import heapq
+import itertools
 import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
@@ -37,7 +40,6 @@ from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
 from .records import eval_field, patch_field, rollout_record, setup_field, trajectory
 from .rewards import reward_fields, sample_seed
-from .store import RunStore
 from .tasks import Task
 from .workspace import populate
 
@@ -46,11 +48,47 @@ SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, no
 # This many agents in a row failing on the engine, with no successful request in between,
 # means the engine is gone: stop the batch rather than turn every remaining task into an error.
 ENGINE_FAILURE_LIMIT = 5
+# A batch fed from a task source keeps this many agents beyond its window, set up and waiting:
+# a freed slot is taken at once instead of after a round trip to the source.
+PREFETCH = 2
+
+
+class RecordSink(Protocol):
+    """Where a batch's records go: the run folder (`RunStore`), or, in a worker of a batch
+    over many nodes, the driver that owns the run folder (runner/scaleout/)."""
+
+    @property
+    def finished(self) -> Mapping[str, dict[str, Any]]: ...
+
+    def add_trajectory(self, record: dict[str, Any]) -> None: ...
+
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """A line of another record file (rollouts.jsonl), before its trajectory's."""
+        ...
+
+    def add_error(self, record: dict[str, Any]) -> None: ...
+
+    def add_control(self, line: dict[str, Any]) -> None: ...
+
+
+class TaskSource(Protocol):
+    """Tasks handed to a batch while it runs, when its gate has room (a worker of a batch over
+    many nodes pulls them from the driver)."""
+
+    def coming(self) -> int:
+        """Tasks not handed over yet that this batch may still get (the window's bound)."""
+        ...
+
+    async def take(self, n: int, idle: bool) -> list[Task] | None:
+        """Up to `n` more tasks; [] when there are none now; None: there will be no more.
+        `idle`: the batch has no agent left, so the call may wait until there is work."""
+        ...
 
 
 @dataclass
 class BatchConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # for tasks that set none
+    max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
     # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
@@ -71,6 +109,9 @@ class BatchConfig:
     # runs have no workspace to commit).
     git_base: bool = True
     rollouts: bool = True  # write rollouts.jsonl (token ids, mask, logprobs) per agent
+    # Agent i runs as uid_base + i. A worker of a batch over many nodes gets a range of its
+    # own from its run, so two workers on one host never share a uid.
+    uid_base: int = AGENT_UID_BASE
 
 
 @dataclass
@@ -93,26 +134,37 @@ class Batch:
         engine: Engine,
         sandbox: CommandSandbox,
         policy: Policy,
-        store: RunStore,
+        store: RecordSink,
         config: BatchConfig,
         progress: Progress | None = None,
+        source: TaskSource | None = None,
     ) -> None:
         self.tasks = tasks
         self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
         self.config = config
+        self.source = source
         self.todo = [t for t in tasks if t.id not in store.finished]
         self.gate: AdmissionGate
         self.controller: Controller | MultiController
         if isinstance(engine, DataParallel) and engine.dp_size > 1:
             self.gate, self.controller = self._ranked(engine, policy, store)
         else:
-            gate = self._gate(policy, len(self.todo))
+            gate = self._gate(policy, len(self.todo) + (source.coming() if source else 0))
             self.gate = gate
             self.controller = Controller(
-                gate, policy, engine.cache_stats, config.control_period, store.control
+                gate,
+                policy,
+                engine.cache_stats,
+                config.control_period,
+                None,
+                on_line=store.add_control,
             )
+        self._room = asyncio.Event()  # source mode: an agent ended, the gate may have room
+        self._free_slots: list[int] = []  # source mode: uid offsets of ended agents
+        self._next_slot = itertools.count()
         self.totals = Totals()
         self.progress = progress
+        self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -123,7 +175,7 @@ class Batch:
             self._ws_root.mkdir(parents=True)
 
     def _ranked(
-        self, engine: DataParallel, policy: Policy, store: RunStore
+        self, engine: DataParallel, policy: Policy, store: RecordSink
     ) -> tuple[RankedGate, MultiController]:
         """Data parallel: one window per rank, each agent sticks to its rank."""
         ranks = engine.dp_size
@@ -137,7 +189,9 @@ class Batch:
 
         period = self.config.control_period
         controllers = [
-            Controller(ranked.view(r), policy, stats(r), period, store.control, rank=r)
+            Controller(
+                ranked.view(r), policy, stats(r), period, None, rank=r, on_line=store.add_control
+            )
             for r in range(ranks)
         ]
         return ranked, MultiController(ranked, controllers)
@@ -148,6 +202,7 @@ class Batch:
             unit=policy.unit,
             pause_rule=self.config.pause_rule,
             resume_rule=self.config.resume_rule,
+            coming=self.source.coming if self.source else None,
         )
 
     async def run(self) -> Totals:
@@ -171,9 +226,42 @@ class Batch:
             async with asyncio.TaskGroup() as agents:
                 for i, task in enumerate(self.todo):
                     agents.create_task(self._run_one(i, task))
+                if self.source is not None:
+                    agents.create_task(self._pull(self.source, agents))
             control.cancel()
             if ui:
                 ui.cancel()
+
+    async def _pull(self, source: TaskSource, agents: asyncio.TaskGroup) -> None:
+        """Source mode: take tasks while the gate has room (its window, plus PREFETCH agents
+        ready to take a freed slot), until the source has no more. Agents in a tool call
+        between requests (request-unit policies) hold no claim, as in one process."""
+        while True:
+            c = self.gate.counts()
+            room = self.gate.window + PREFETCH - (c["active"] + c["paused"] + c["pending"])
+            if room > 0:
+                tasks = await source.take(room, idle=c["unfinished"] == 0)
+                if tasks is None:
+                    return
+                for task in tasks:
+                    self.todo.append(task)
+                    self.gate.register(task.id)  # in arrival order, which is task order
+                    agents.create_task(self._run_sourced(task))
+                if tasks:
+                    continue
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):  # the window may grow at each period
+                await asyncio.wait_for(self._room.wait(), self.config.control_period)
+
+    async def _run_sourced(self, task: Task) -> None:
+        """One agent of a sourced batch: its uid offset is the lowest free one, so uids stay
+        within the worker's range however many tasks it runs."""
+        slot = heapq.heappop(self._free_slots) if self._free_slots else next(self._next_slot)
+        try:
+            await self._run_one(slot, task)
+        finally:
+            heapq.heappush(self._free_slots, slot)
+            self._room.set()
 
     def status(self) -> BatchStatus:
         """Where the batch stands (for the progress display)."""
@@ -192,12 +280,13 @@ class Batch:
             hit=t.cached / t.prompt if t.prompt else None,
             u=last.get("u"),
             h=last.get("h"),
+            step_budget=self._step_budget,
         )
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
         t0 = asyncio.get_running_loop().time()
-        uid = AGENT_UID_BASE + index
+        uid = self.config.uid_base + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
         sampling = self._sampling(task)
@@ -227,7 +316,7 @@ class Batch:
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=sampling,
-                max_steps=task.max_steps or self.config.max_steps,
+                max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
@@ -282,6 +371,11 @@ class Batch:
         )
         return dataclasses.replace(sp, seed=sample_seed(sp.seed, task.sample), logprobs=logprobs)
 
+    def _max_steps(self, task: Task) -> int:
+        steps = task.max_steps or self.config.max_steps
+        cap = self.config.max_steps_cap
+        return steps if cap is None else min(steps, cap)
+
     async def _finish_record(
         self,
         task: Task,
@@ -315,8 +409,12 @@ class Batch:
             self._dispose(ctx.workspace)
         except OSError as e:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
-        self.store.finish(record, rollout)
+        if rollout is not None:  # before the trajectory line, which marks the agent done
+            self.store.add_record("rollouts.jsonl", rollout)
+        self.store.add_trajectory(record)
         self._count(record)
+        # the budget it left unused is no longer ahead of the batch (the progress ETA)
+        self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 
     def _dispose(self, ws: Path) -> None:
         if not ws.exists():  # never created (the task failed before its workspace)

@@ -12,10 +12,12 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .batch import Batch, EngineDead
 from .engine import Engine
+from .store import RunStore
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -77,8 +79,21 @@ def execute(
             interrupted=interrupted,
             config=config,
         )
-        batch.store.write_summary(summary)
+        store = batch.store
+        assert isinstance(store, RunStore), "a session's batch writes to a run folder"
+        store.write_summary(summary)
+        plot_timeline(store.root)
     return Outcome(summary, code)
+
+
+def plot_timeline(root: Path) -> None:
+    """timeline.png beside the summary; a plot that fails is logged, never the run's end."""
+    from .report.timeline import write_timeline  # matplotlib only once a batch ends
+
+    try:
+        write_timeline(root)
+    except Exception as e:
+        log.warning("could not draw %s: %s: %s", root / "timeline.png", type(e).__name__, e)
 
 
 async def _run(batch: Batch, engine: Engine) -> float:

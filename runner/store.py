@@ -7,8 +7,9 @@
   only: a new file, fsync'd, renamed over the old one.
 - rollouts.jsonl: the token-level record of each finished agent (runner/records.py), written
   the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
-  done), so a kill can leave at most one rollout line without a trajectory: the last one,
-  which is cut on open. Rewrites stream (new file, fsync'd, renamed): it can be large.
+  done), so a kill can leave rollout lines without a trajectory only at the end of the file
+  (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
+  renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 """
@@ -19,7 +20,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,23 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append several lines, each with one write(), then one fsync for all of them (a driver
+    writing a worker's report: one sync per report, not per line)."""
+    if not records:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for record in records:
+            line = _dumps(record).encode("utf-8", "backslashreplace")
+            written = os.write(fd, line)
+            while written < len(line):
+                written += os.write(fd, line[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _replace_durably(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
     folder: a crash leaves the old file or the new one, never a mix or an empty one."""
@@ -65,6 +83,26 @@ def _replace_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _lines_backwards(f: Any, end: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of a file's lines from the last one back; the
+    file ends with a newline (repaired)."""
+    pos, buf = end, b""
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+        # every complete line in buf except the first (which may start before pos)
+        while True:
+            cut = buf.rfind(b"\n", 0, len(buf) - 1)
+            if cut < 0:
+                break
+            yield pos + cut + 1, buf[cut + 1 : -1]
+            buf = buf[: cut + 1]
+    if buf:
+        yield 0, buf[:-1]
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -116,29 +154,28 @@ class RunStore:
         self.repaired_bytes += self._cut_orphan_rollout()
 
     def _cut_orphan_rollout(self) -> int:
-        """A kill between an agent's rollout line and its trajectory line leaves that rollout
-        last in the file, for an agent that is not finished (it runs again): cut it."""
+        """A kill between rollout lines and their trajectory lines (one agent's, or a batch
+        of them from a driver of many nodes) leaves those rollouts last in the file, for
+        agents that are not finished (they run again): cut them, back to the last rollout
+        of a finished agent."""
         if not self.rollouts.exists():
             return 0
         with self.rollouts.open("rb+") as f:
-            end = f.seek(0, os.SEEK_END)
-            pos, tail = end, b""
-            while pos > 0 and tail.count(b"\n") < 2:
-                step = min(1 << 16, pos)
-                pos -= step
-                f.seek(pos)
-                tail = f.read(step) + tail
-            lines = tail.rstrip(b"\n").split(b"\n")
-            last = lines[-1] if lines and lines[-1] else b""
-            try:
-                tid = json.loads(last)["task_id"]
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            end = keep = f.seek(0, os.SEEK_END)
+            orphans: list[bytes] = []
+            for start, line in _lines_backwards(f, end):
+                try:
+                    tid = json.loads(line)["task_id"]
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                    break  # not ours to judge: stop here
+                if tid in self.finished:
+                    break
+                orphans.append(line)
+                keep = start
+            if keep == end:
                 return 0
-            if tid in self.finished:
-                return 0
-            keep = end - len(last) - 1
             with self.rollouts.with_name(self.rollouts.name + ".torn").open("ab") as t:
-                t.write(last + b"\n")
+                t.write(b"".join(line + b"\n" for line in reversed(orphans)))
             f.truncate(keep)
             return end - keep
 
@@ -216,28 +253,33 @@ class RunStore:
                 self.finished[tid] = new
         _replace_durably(self.trajectories, "".join(out))
 
-    def bind_source(self, source: str) -> None:
+    def bind_source(self, source: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Record which dataset this run folder belongs to; refuse another one (task ids
-        like "0", "1" would otherwise be taken as finished)."""
+        like "0", "1" would otherwise be taken as finished). The first run also writes its
+        `record` (config, versions, ...) into run.json, which is never rewritten. Returns
+        run.json's content."""
         meta = self.root / "run.json"
         if meta.exists():
             try:
-                known = json.loads(meta.read_text(encoding="utf-8")).get("source")
-            except (OSError, json.JSONDecodeError, AttributeError):
+                known = json.loads(meta.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
                 known = None
-            if known is not None and known != source:
+            if not isinstance(known, dict):
+                return {}
+            if known.get("source") is not None and known["source"] != source:
                 raise RunFolderBusy(
-                    f"{self.root} holds a run of {known}, not of {source}: pass another --out"
+                    f"{self.root} holds a run of {known['source']}, not of {source}: pass "
+                    "another --out"
                 )
-            return
-        write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source})
+            return known
+        first = {"format": FORMAT_VERSION, "source": source, **(record or {})}
+        write_json_atomic(meta, first)
+        return first
 
-    def finish(self, record: dict[str, Any], rollout: dict[str, Any] | None) -> None:
-        """Record one finished agent: its rollout line (if any), then its trajectory line,
-        which is what makes it count as done."""
-        if rollout is not None:
-            _append(self.rollouts, rollout)
-        self.add_trajectory(record)
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """One line of another record file of this folder (rollouts.jsonl), written before
+        its agent's trajectory line."""
+        self.append_records(name, [record])
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}
@@ -246,6 +288,25 @@ class RunStore:
 
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
+
+    def add_control(self, line: dict[str, Any]) -> None:
+        """One control period's line (not fsync'd: a lost last period loses no work)."""
+        with self.control.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def add_trajectories(self, records: list[dict[str, Any]]) -> None:
+        """Several finished agents, synced once; each counts as finished only after."""
+        records = [{"format": FORMAT_VERSION, **r} for r in records]
+        _append_many(self.trajectories, records)
+        for r in records:
+            self.finished[r["task_id"]] = r
+
+    def append_records(self, name: str, records: list[dict[str, Any]]) -> None:
+        """Lines of another record file of this folder (`name`: a plain *.jsonl file name),
+        each written whole, synced once."""
+        if "/" in name or not name.endswith(".jsonl") or name.startswith("."):
+            raise ValueError(f"not a record file name of a run folder: {name!r}")
+        _append_many(self.root / name, records)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

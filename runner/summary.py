@@ -59,7 +59,6 @@ def build_summary(
     """The summary of a batch over the selected tasks (`task_ids`)."""
     finished = batch.store.finished
     totals = record_totals(finished[t] for t in task_ids if t in finished)
-    session = batch.totals
     return {
         "tasks": len(task_ids),
         "invalid_records": invalid_records,
@@ -70,8 +69,20 @@ def build_summary(
         # loop time of this session's batch: wall-clock, or simulated seconds on virtual time
         "batch_seconds": round(batch_seconds, 3),
         "clock": "virtual" if virtual_time else "wall",
+        **session_parts(batch, engine, why),
+        "config": config,
+        "host": {"python": platform.python_version(), "machine": platform.machine()},
+    }
+
+
+def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
+    """What one batch process reports of its session: its totals, engine, gate and sandbox
+    (a worker of a batch over many nodes sends these to the driver)."""
+    session = batch.totals
+    return {
         "this_session": {
             "agents_run": sum(session.by_status.values()),
+            "agents_by_status": dict(session.by_status),
             "requests": session.requests,
             "prompt_tokens": session.prompt,
             "cached_tokens": session.cached,
@@ -87,6 +98,4 @@ def build_summary(
         },
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
-        "config": config,
-        "host": {"python": platform.python_version(), "machine": platform.machine()},
     }

@@ -259,14 +259,15 @@ def test_a_rollout_without_its_trajectory_is_cut_on_open(tmp_path):
     run_batch(out, TASKS[:1])
     rolls = (out / "rollouts.jsonl").read_text()
     orphan = json.loads(rolls.splitlines()[0])
-    orphan["task_id"] = "killed-before-its-trajectory"
-    with (out / "rollouts.jsonl").open("a") as f:  # what a kill between the two writes leaves
-        f.write(json.dumps(orphan) + "\n")
-        f.write('{"format": 2, "task_id": "tor')  # and a torn line after it
+    with (out / "rollouts.jsonl").open("a") as f:  # what a kill between the writes leaves
+        for k in range(3):  # a driver's batch of rollouts whose trajectories never came
+            f.write(json.dumps({**orphan, "task_id": f"killed-before-{k}"}) + "\n")
+        f.write('{"format": 2, "task_id": "tor')  # and a torn line after them
     store = RunStore(out)
     assert store.repaired_bytes > 0
     assert (out / "rollouts.jsonl").read_text() == rolls
-    assert "killed-before" in (out / "rollouts.jsonl.torn").read_text()
+    torn = (out / "rollouts.jsonl.torn").read_text()
+    assert all(f"killed-before-{k}" in torn for k in range(3))
 
 
 # ---- loading runs together ----------------------------------------------------------------
@@ -520,3 +521,12 @@ def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, needs_b
             assert len(lps) == len(rolls[tid]["response_mask"])
     finally:
         asyncio.run(eng.aclose())
+
+
+def test_the_report_reads_format_2_records(tmp_path):
+    from runner.report.load import reward, solved
+
+    out = tmp_path / "run"
+    run_batch(out, TASKS)
+    t = by_id(out / "trajectories.jsonl")["calls"]
+    assert t["eval"]["command"] is None and reward(t) is None and solved(t) is None

@@ -7,11 +7,15 @@ chosen (summary.json keeps the reason). Heavy engines are imported only when cho
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ..engine import Engine
+from ..engine import ConstrainedDecoding, Engine
 from ..tasks import Task
+
+log = logging.getLogger("concur")
 
 
 @dataclass
@@ -74,3 +78,23 @@ ENGINES: dict[str, Callable[[argparse.Namespace, list[Task]], EngineSetup]] = {
     "replay": replay,
 }
 ENGINE_NAMES = (*ENGINES, "sim")
+
+
+def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--engine sim: the simulated engine's options from the command line."""
+    options: dict[str, Any] = {}
+    if args.hicache_ratio > 0:
+        options["hicache_ratio"] = args.hicache_ratio
+    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
+        options["sessions"] = True
+    return options
+
+
+def constrain_tool_calls(choice: str, engine: Engine) -> bool:
+    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
+    can = isinstance(engine, ConstrainedDecoding)
+    if choice == "on" and not can:
+        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
+    if not isinstance(engine, ConstrainedDecoding):
+        return False
+    return choice == "on" or (choice == "auto" and engine.constrain_by_default)

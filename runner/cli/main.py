@@ -12,6 +12,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,15 @@ from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
-from ..engine import ConstrainedDecoding, Engine, SamplingParams
+from ..engine import SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
 from ..tasks import RecordError, Task, expand_samples, load_tasks
-from .engines import ENGINES, EngineSetup
+from .config import differing, resolved, run_record, to_toml
+from .config import parse_args as config_args
+from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
 from .parser import AIMD_FLAGS, build_parser
 
 log = logging.getLogger("concur")
@@ -47,21 +50,27 @@ class Plan:
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
 
 
-def export_command(argv: list[str]) -> int:
+def report(argv: list[str]) -> int:
+    from ..report.command import main as report_main
+
+    return report_main(argv)
+
+
+def export(argv: list[str]) -> int:
     from ..export import main as export_main
 
     return export_main(argv)
 
 
-# `run.py NAME ...`: subcommands, each a function of its argv returning an exit code
-SUBCOMMANDS = {"export": export_command}
+# `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report, "export": export}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
+    args = config_args(build_parser(), argv)
     try:
         policy = policy_from_args(args)
         check_options(args)
@@ -74,11 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         store = RunStore(plan.out)
-        store.bind_source(plan.source)
+        config = resolved(args)
+        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)))
     except RunFolderBusy as e:
         return fail(str(e))
+    problem = check_resume(meta, config, args.eval_only, plan.out)
+    if problem:
+        return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
+    if args.ray is not None:  # a batch over many nodes: the workers build their own runners
+        from .scaleout import run_on_ray
+
+        todo = resume(args, plan, store)
+        bad = sum(1 for err in plan.bad if err.line > 0)
+        return run_on_ray(args, plan.tasks, todo, bad, plan.config, store, policy)
     try:
         sandbox = plan.sandbox or make_sandbox(args.sandbox)
     except SandboxUnavailable as e:
@@ -100,23 +119,7 @@ def run(
     setup: EngineSetup,
     policy: Policy,
 ) -> int:
-    if not args.keep_errors:  # only now: a failed start must not have dropped their records
-        again = store.retry_errors({t.id for t in plan.tasks})
-        if again:
-            log.info(
-                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
-                len(again),
-                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
-            )
-    todo = [t for t in plan.tasks if t.id not in store.finished]
-    log.info(
-        "%d tasks from %s: %d already finished in %s, %d to run",
-        len(plan.tasks),
-        plan.source,
-        len(plan.tasks) - len(todo),
-        plan.out,
-        len(todo),
-    )
+    resume(args, plan, store)
     plan.config.constrain_tool_calls = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
     progress = Progress(interval=args.progress_interval)
     batch = Batch(plan.tasks, setup.engine, sandbox, policy, store, plan.config, progress)
@@ -143,6 +146,28 @@ def run(
     return outcome.exit_code
 
 
+def resume(args: argparse.Namespace, plan: Plan, store: RunStore) -> list[Task]:
+    """What is left to run in the run folder (errors run again unless --keep-errors)."""
+    if not args.keep_errors:  # only now: a failed start must not have dropped their records
+        again = store.retry_errors({t.id for t in plan.tasks})
+        if again:
+            log.info(
+                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
+                len(again),
+                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
+            )
+    todo = [t for t in plan.tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(plan.tasks),
+        plan.source,
+        len(plan.tasks) - len(todo),
+        plan.out,
+        len(todo),
+    )
+    return todo
+
+
 # ---- options ------------------------------------------------------------------------------
 
 
@@ -157,7 +182,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 def check_options(args: argparse.Namespace) -> None:
     if args.control_period <= 0:
         raise ValueError(f"--control-period must be > 0, got {args.control_period}")
-    if args.max_steps < 1:
+    if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -168,20 +193,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--replay-from needs --engine replay")
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.ray is not None or args.workers is not None:
+        from .scaleout import check_ray_options
+
+        check_ray_options(args)
 
 
 def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(t.strip() for t in args.tools.split(",") if t.strip())
-
-
-def constrain_tool_calls(choice: str, engine: Engine) -> bool:
-    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
-    can = isinstance(engine, ConstrainedDecoding)
-    if choice == "on" and not can:
-        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
-    if not isinstance(engine, ConstrainedDecoding):
-        return False
-    return choice == "on" or (choice == "auto" and engine.constrain_by_default)
 
 
 # ---- plans --------------------------------------------------------------------------------
@@ -196,7 +215,8 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     local = Path(source).is_file()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or BatchConfig.max_steps,
+        max_steps_cap=args.max_steps,
         sampling=SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -227,12 +247,7 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     if args.eval_only:
         raise ValueError("--eval-only does not apply to --engine sim")
     workload = load_workload(args.workload, args.workload_seed)
-    options: dict[str, Any] = {}
-    if args.hicache_ratio > 0:
-        options["hicache_ratio"] = args.hicache_ratio
-    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
-        options["sessions"] = True
-    parts = sim_parts(workload, args.sim_deployment, options)
+    parts = sim_parts(workload, args.sim_deployment, sim_engine_options(args))
     out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
     if out.exists():
         shutil.rmtree(out)
@@ -248,6 +263,24 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
 
 
 # ---- run folder and logging ---------------------------------------------------------------
+
+
+def check_resume(meta: dict[str, Any], config: dict[str, Any], eval_only: bool, out: Path) -> str:
+    """Why this run may not go on in `out` ("" if it may); writes run.toml on a first run."""
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):  # a run folder of a version that recorded none
+        return ""
+    if not (out / "run.toml").exists():
+        (out / "run.toml").write_text(to_toml(recorded), encoding="utf-8")
+    keys = [] if eval_only else [k for k in differing(recorded, config) if k != "tasks"]
+    if not keys:
+        return ""
+    changes = ", ".join(f"--{k.replace('_', '-')} ({recorded.get(k)!r} -> {config.get(k)!r})"
+                        for k in keys)  # fmt: skip
+    return (
+        f"{out} holds a run made with other options that change results: {changes}. Resume "
+        f"it with its own options (--config {out / 'run.toml'}) or pass another --out"
+    )
 
 
 def workspace_root(out: Path) -> Path:

@@ -43,9 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
         description="Run LLM agents over a task dataset behind an agent-level admission gate.",
+        epilog="Reports: python run.py report RUN [RUN ...] [--json] [--plot] [--html OUT.html] "
+        "(python run.py report --help; docs/report.md).",
         formatter_class=_Formatter,
     )
     g = p.add_argument_group("tasks")
+    g.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file setting any of these options by long name (max_steps = 4); "
+        "flags on the command line win. A run folder's run.toml is one",
+    )
     g.add_argument(
         "--tasks",
         help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
@@ -57,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-steps",
         type=int,
-        default=BatchConfig.max_steps,
-        help="default for tasks without one",
+        help="step budget of every task, capping a task's own max_steps too (not given: "
+        f"a task's own max_steps, else {BatchConfig.max_steps})",
     )
     g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
     g.add_argument(
@@ -209,6 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-rollouts",
         action="store_true",
         help="do not write rollouts.jsonl (token ids, loss mask, logprobs of every agent)",
+    )
+
+    g = p.add_argument_group("many nodes (Ray; docs/scale-out.md)")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the batch on a Ray cluster, one run folder here, a whole runner per worker: "
+        "ADDRESS of its head (HOST:PORT); none: the cluster this machine belongs to, else a "
+        "new local one (needs pip install 'concur-runner[ray]')",
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        help="with --ray: how many workers (default: one per node; with SGLang, one per "
+        "tp x dp GPUs)",
     )
 
     g = p.add_argument_group("display")

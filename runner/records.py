@@ -179,6 +179,8 @@ def trajectory(
         "patch": None,
         "eval": eval_field(None),
         "rescored_at": None,
+        "worker": None,  # --ray: set by the driver
+        "attempt": None,
     }
 
 
@@ -237,4 +239,6 @@ def rollout_record(
             }
             for n, (a, b, c) in enumerate(spans, start=1)
         ],
+        "worker": None,  # --ray: set by the driver
+        "attempt": None,
     }

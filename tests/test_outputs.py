@@ -483,7 +483,7 @@ def test_samples_after_sigkill_each_sample_completes_once(tmp_path, needs_bwrap)
     proc.wait()
     first = traj.read_text().count("\n")
     assert 2 <= first < 6
-    run_cli("--tasks", str(tasks), "--out", str(out), "--samples", "3", "--engine", "replay")
+    run_cli(*args[2:])  # the same command again resumes it
     want = sorted(f"s{i}#{k}" for i in range(2) for k in range(3))
     assert sorted(r["task_id"] for r in read_jsonl(traj)) == want
     assert sorted(r["task_id"] for r in read_jsonl(out / "rollouts.jsonl")) == want

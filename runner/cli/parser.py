@@ -223,6 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
         "summary.json), over the workspaces kept by a --keep-workspaces run",
     )
 
+    g = p.add_argument_group("outputs (docs/outputs.md)")
+    g.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="independent agents per task (ids <task>#<k>, seeds derived from --seed and k); "
+        "summary.json gets pass@k when tasks have an eval",
+    )
+    g.add_argument(
+        "--no-rollouts",
+        action="store_true",
+        help="do not write rollouts.jsonl (token ids, loss mask, logprobs of every agent)",
+    )
+
     g = p.add_argument_group("many nodes (Ray; docs/scale-out.md)")
     g.add_argument(
         "--ray",

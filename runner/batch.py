@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
@@ -24,11 +25,21 @@ from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, rem
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
-from .engine import CacheStats, DataParallel, Engine, EngineError, Generation, SamplingParams
+from .engine import (
+    CacheStats,
+    DataParallel,
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    TokenLogprobs,
+)
 from .gate import AdmissionGate, Gate
 from .policies import Policy
 from .progress import ROWS_MAX, BatchStatus, Progress, TaskRow
 from .ranked_gate import RankedGate
+from .records import eval_field, patch_field, rollout_record, setup_field, trajectory
+from .rewards import reward_fields, sample_seed
 from .swebench import checkout, evaluate_swe
 from .tasks import Task
 from .workspace import populate
@@ -51,6 +62,10 @@ class RecordSink(Protocol):
     def finished(self) -> Mapping[str, dict[str, Any]]: ...
 
     def add_trajectory(self, record: dict[str, Any]) -> None: ...
+
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """A line of another record file (rollouts.jsonl), before its trajectory's."""
+        ...
 
     def add_error(self, record: dict[str, Any]) -> None: ...
 
@@ -94,6 +109,7 @@ class BatchConfig:
     # Commit each prepared workspace as the git base that submit diffs against (simulated
     # runs have no workspace to commit).
     git_base: bool = True
+    rollouts: bool = True  # write rollouts.jsonl (token ids, mask, logprobs) per agent
     # Agent i runs as uid_base + i. A worker of a batch over many nodes gets a range of its
     # own from its run, so two workers on one host never share a uid.
     uid_base: int = AGENT_UID_BASE
@@ -312,14 +328,23 @@ class Batch:
         uid = self.config.uid_base + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
-        record: dict[str, Any] = {"task_id": task.id}
+        sampling = self._sampling(task)
+        record = trajectory(
+            task_id=task.id,
+            task=task.dataset_id or task.id,
+            sample=task.sample,
+            seed=sampling.seed,
+            engine=self.engine.name,
+            model=self.engine.model,
+        )
+        record["metadata"] = json.dumps(task.metadata, ensure_ascii=False, default=str)
         agent: Agent | None = None
         try:
             names = tuple(task.tools) if task.tools else self.config.tools
             tools = get_tools(names, self.config.tool_registry)
             async with self._setup_sem:
                 setup = await self._prepare(task, ctx)
-            record["setup"] = setup
+            record["setup"] = setup_field(setup)
             if setup and setup.get("failed"):
                 raise _SetupFailed(setup["failed"])
             agent = Agent(
@@ -329,7 +354,7 @@ class Batch:
                 gate=self.gate,
                 tools=tools,
                 tool_ctx=ctx,
-                sampling=_sampling_for(self.config.sampling, task),
+                sampling=sampling,
                 max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
@@ -363,15 +388,29 @@ class Batch:
             raise
         except Exception as e:  # recording must never end the batch: keep a minimal record
             log.exception("could not record agent %s in full", task.id)
-            self.store.add_trajectory(
-                {
-                    "task_id": task.id,
-                    "status": "error",
-                    "reason": f"recording failed: {type(e).__name__}: {e} (agent: {status})",
-                }
+            minimal = trajectory(
+                task_id=task.id,
+                task=task.dataset_id or task.id,
+                sample=task.sample,
+                seed=sampling.seed,
+                engine=self.engine.name,
+                model=self.engine.model,
             )
-            self._count({"status": "error"})
+            minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
+            self.store.add_trajectory(minimal)
+            self._count(minimal)
             self._ended[task.id] = ("error", asyncio.get_running_loop().time() - t0)
+
+    def _sampling(self, task: Task) -> SamplingParams:
+        """The run's sampling with the task's overrides, the seed of this sample, and
+        logprobs where rollouts are written and the engine gives them."""
+        sp = _sampling_for(self.config.sampling, task)
+        logprobs = (
+            self.config.rollouts
+            and isinstance(self.engine, TokenLogprobs)
+            and self.engine.gives_logprobs
+        )
+        return dataclasses.replace(sp, seed=sample_seed(sp.seed, task.sample), logprobs=logprobs)
 
     def _max_steps(self, task: Task) -> int:
         steps = task.max_steps or self.config.max_steps
@@ -391,23 +430,28 @@ class Batch:
     ) -> None:
         if status == "error":
             self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
-        record.update(
-            status=status,
-            reason=reason,
-            answer=answer,
-            eval=await self._evaluate(task, ctx) if agent is not None else None,
-        )
-        if "patch" in ctx.state:  # captured by submit in a git workspace
-            record["patch"] = ctx.state["patch"]
+        ev = eval_field(await self._evaluate(task, ctx) if agent is not None else None)
+        record.update(status=status, reason=reason, answer=answer, eval=ev)
+        if agent is not None:
+            timeout = self.config.eval_timeout
+            record.update(await reward_fields(self.sandbox, task, ctx, ev, timeout))
+        record["patch"] = patch_field(ctx.state.get("patch"))  # submit in a git workspace
         if agent is not None:
             record.update(self._agent_fields(agent))
         record["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
+        rollout = None
+        if agent is not None and agent.ids and self.config.rollouts:
+            rollout = rollout_record(
+                record, agent.ids, agent.prompt_len, agent.spans, agent.logprobs
+            )
         # The workspace is put away BEFORE the record says the task is done: a kill in
         # between re-runs the task rather than losing a kept workspace.
         try:
             self._dispose(ctx.workspace)
         except OSError as e:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
+        if rollout is not None:  # before the trajectory line, which marks the agent done
+            self.store.add_record("rollouts.jsonl", rollout)
         self.store.add_trajectory(record)
         self._count(record)
         self._ended[task.id] = (status, record["seconds"])
@@ -474,18 +518,21 @@ class Batch:
         steps = [asdict(s) for s in agent.steps]
         for s in steps:
             for k in ("gen_seconds", "tool_seconds", "wait_seconds"):
-                s[k] = round(s[k], 4)
+                s[k] = round(float(s[k]), 4)
+            if s["arguments"] is not None:  # JSON text: one type whatever the tool
+                s["arguments"] = json.dumps(s["arguments"], ensure_ascii=False)
         return {
             "steps": len(agent.steps),
             "messages": agent.messages,
+            "tools": json.dumps(agent.tool_schemas, ensure_ascii=False),
             "step_log": steps,
             "context_tokens": len(agent.ids),
             "prompt_tokens": sum(s.prompt_tokens for s in agent.steps),
             "cached_tokens": sum(s.cached_tokens for s in agent.steps),
             "completion_tokens": sum(s.completion_tokens for s in agent.steps),
-            "gen_seconds": round(sum(s.gen_seconds for s in agent.steps), 3),
-            "tool_seconds": round(sum(s.tool_seconds for s in agent.steps), 3),
-            "wait_seconds": round(sum(s.wait_seconds for s in agent.steps), 3),
+            "gen_seconds": round(float(sum(s.gen_seconds for s in agent.steps)), 3),
+            "tool_seconds": round(float(sum(s.tool_seconds for s in agent.steps)), 3),
+            "wait_seconds": round(float(sum(s.wait_seconds for s in agent.steps)), 3),
         }
 
     def _count(self, rec: dict[str, Any]) -> None:
@@ -532,7 +579,7 @@ async def evaluate(
         except asyncio.CancelledError:
             raise
         except Exception as e:  # as below: a record, never the batch's end
-            return {"kind": "swe-bench", "solved": False, "error": f"{type(e).__name__}: {e}"}
+            return {"command": swe.test_cmd, "solved": False, "error": f"{type(e).__name__}: {e}"}
     assert task.eval is not None
     try:
         r = await sandbox.run(task.eval, workspace, uid, limits)

@@ -109,6 +109,8 @@ class Controller:
             finished=c["finished"],
             unfinished=c["unfinished"],
             capacity_tokens=cache.capacity_tokens,
+            host_capacity_tokens=cache.host_capacity_tokens,
+            host_reload_cost=cache.host_reload_cost,
             held_contexts=held,
             waiting_contexts=waiting,
             growth_per_step=self.gate.growth_per_step(),

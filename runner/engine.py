@@ -62,6 +62,10 @@ class CacheStats:
     capacity_tokens: int | None = None
     used_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A host-memory KV tier (HiCache): its size, and what reloading one token from it costs
+    # relative to recomputing it (below 1: cheaper). None where there is none or it is unknown.
+    host_capacity_tokens: int | None = None
+    host_reload_cost: float | None = None
 
 
 class EngineError(RuntimeError):

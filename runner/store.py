@@ -5,6 +5,11 @@
   cut off (and kept in trajectories.jsonl.torn for inspection). Resume skips the task ids
   found. Rewriting it (retried errors, re-scored evals) goes through `rewrite_trajectories`
   only: a new file, fsync'd, renamed over the old one.
+- rollouts.jsonl: the token-level record of each finished agent (runner/records.py), written
+  the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
+  done), so a kill can leave rollout lines without a trajectory only at the end of the file
+  (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
+  renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 """
@@ -15,11 +20,11 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # runner/records.py: FORMAT
 
 
 def _repair(path: Path) -> int:
@@ -77,7 +82,31 @@ def _replace_durably(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _lines_backwards(f: Any, end: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of a file's lines from the last one back; the
+    file ends with a newline (repaired)."""
+    pos, buf = end, b""
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+        # every complete line in buf except the first (which may start before pos)
+        while True:
+            cut = buf.rfind(b"\n", 0, len(buf) - 1)
+            if cut < 0:
+                break
+            yield pos + cut + 1, buf[cut + 1 : -1]
+            buf = buf[: cut + 1]
+    if buf:
+        yield 0, buf[:-1]
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -116,9 +145,39 @@ class RunStore:
         self.summary = root / "summary.json"
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
-        self.repaired_bytes = _repair(self.trajectories) + _repair(self.errors)
+        self.rollouts = root / "rollouts.jsonl"
+        self.repaired_bytes = (
+            _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
+        )
         self.finished: dict[str, dict[str, Any]] = {}
         self._load()
+        self.repaired_bytes += self._cut_orphan_rollout()
+
+    def _cut_orphan_rollout(self) -> int:
+        """A kill between rollout lines and their trajectory lines (one agent's, or a batch
+        of them from a driver of many nodes) leaves those rollouts last in the file, for
+        agents that are not finished (they run again): cut them, back to the last rollout
+        of a finished agent."""
+        if not self.rollouts.exists():
+            return 0
+        with self.rollouts.open("rb+") as f:
+            end = keep = f.seek(0, os.SEEK_END)
+            orphans: list[bytes] = []
+            for start, line in _lines_backwards(f, end):
+                try:
+                    tid = json.loads(line)["task_id"]
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                    break  # not ours to judge: stop here
+                if tid in self.finished:
+                    break
+                orphans.append(line)
+                keep = start
+            if keep == end:
+                return 0
+            with self.rollouts.with_name(self.rollouts.name + ".torn").open("ab") as t:
+                t.write(b"".join(line + b"\n" for line in reversed(orphans)))
+            f.truncate(keep)
+            return end - keep
 
     def _load(self) -> None:
         if not self.trajectories.exists():
@@ -146,7 +205,29 @@ class RunStore:
             return None
 
         self.rewrite_trajectories(drop)
+        self.rewrite_rollouts(lambda rec: None if rec.get("task_id") in retry else rec)
         return sorted(retry)
+
+    def rewrite_rollouts(self, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+        """Rewrite rollouts.jsonl durably, streaming (the file can be large), with `change`
+        applied to every record (None: drop it)."""
+        if not self.rollouts.exists():
+            return
+        tmp = self.rollouts.with_name(self.rollouts.name + ".tmp")
+        with self.rollouts.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
+            for line in src:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    dst.write(line)
+                    continue
+                new = change(rec)
+                if new is not None:
+                    dst.write(line if new is rec else _dumps(new))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.rollouts)
+        _fsync_dir(self.rollouts.parent)
 
     def rewrite_trajectories(
         self, change: Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -194,6 +275,11 @@ class RunStore:
         first = {"format": FORMAT_VERSION, "source": source, **(record or {})}
         write_json_atomic(meta, first)
         return first
+
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """One line of another record file of this folder (rollouts.jsonl), written before
+        its agent's trajectory line."""
+        self.append_records(name, [record])
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .engine import Engine, EngineStats
+from .records import evaluated
+from .rewards import pass_at_k
 
 if TYPE_CHECKING:  # annotations only: the batch imports nothing of this module
     from .batch import Batch
@@ -26,7 +28,7 @@ def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         by_status[r["status"]] = by_status.get(r["status"], 0) + 1
     prompt = sum(r.get("prompt_tokens", 0) for r in recs)
     cached = sum(r.get("cached_tokens", 0) for r in recs)
-    evals = [r["eval"] for r in recs if r.get("eval")]
+    evals = [r["eval"] for r in recs if evaluated(r)]
     return {
         "finished": len(recs),
         "agents_by_status": by_status,
@@ -37,6 +39,7 @@ def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "cached_tokens": cached,
         "generated_tokens": sum(r.get("completion_tokens", 0) for r in recs),
         "hit_rate": round(cached / prompt, 4) if prompt else None,
+        "pass_at_k": pass_at_k(recs),  # None without eval
     }
 
 

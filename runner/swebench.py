@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.gitrepo import GIT
-from tools.sandbox import CommandSandbox, Limits
+from tools.sandbox import CommandSandbox, ExecResult, Limits
 
 DEFAULT_TEST_CMD = "python3 -m pytest -q -p no:cacheprovider"
 # Task fields of this module (they are valid task fields; see KNOWN_FIELDS in tasks.py).
@@ -238,28 +238,46 @@ def apply_script(spec: SweSpec) -> str:
 async def evaluate_swe(
     sandbox: CommandSandbox, spec: SweSpec, workspace: Path, uid: int, limits: Limits
 ) -> dict[str, Any]:
-    """The eval record: `solved`, and per list the tests that passed and failed."""
-    rec: dict[str, Any] = {"kind": "swe-bench", "command": spec.test_cmd, "solved": False}
+    """The eval record (the keys of every eval record, runner/records.py): `solved`;
+    `exit_code` 0 when every test run passed, else the first failing run's; `tests`: the
+    test patch and, per list, the tests that passed, failed, or could not be told apart."""
+    tests: dict[str, Any] = {"test_patch": None}
+    rec: dict[str, Any] = {"command": spec.test_cmd, "solved": False, "tests": tests}
     seconds = 0.0
     if spec.test_patch:
         r = await sandbox.run(apply_script(spec), workspace, uid, limits, stdin=spec.test_patch)
         seconds += r.seconds
         if r.exit_code != 0 or r.timed_out:
-            rec.update(test_patch="failed", output_tail=r.output[-2000:], seconds=seconds)
+            tests["test_patch"] = "failed"
+            rec.update(
+                exit_code=r.exit_code,
+                timed_out=r.timed_out,
+                error="the test patch does not apply",
+                output_tail=r.output[-2000:],
+                seconds=round(seconds, 3),
+            )
             return rec
-        rec["test_patch"] = "applied"
+        tests["test_patch"] = "applied"
     tails: list[str] = []
-    for key, tests in (("FAIL_TO_PASS", spec.fail_to_pass), ("PASS_TO_PASS", spec.pass_to_pass)):
-        result, secs, tail = await _run_group(sandbox, spec.test_cmd, tests, workspace, uid, limits)
-        rec[key] = result
+    exit_code: int | None = 0
+    timed_out = False
+    for key, ids in (("FAIL_TO_PASS", spec.fail_to_pass), ("PASS_TO_PASS", spec.pass_to_pass)):
+        result, secs, run = await _run_group(sandbox, spec.test_cmd, ids, workspace, uid, limits)
+        tests[key] = result
         seconds += secs
-        if tail:
-            tails.append(tail)
+        if run is not None:
+            tails.append(run.output[-1000:])
+            if exit_code == 0:
+                exit_code, timed_out = run.exit_code, run.timed_out
     rec["solved"] = all(
-        not rec[k]["failed"] and not rec[k]["unknown"] for k in ("FAIL_TO_PASS", "PASS_TO_PASS")
+        not tests[k]["failed"] and not tests[k]["unknown"] for k in ("FAIL_TO_PASS", "PASS_TO_PASS")
     )
-    rec["output_tail"] = "\n".join(tails)[-2000:]
-    rec["seconds"] = round(seconds, 3)
+    rec.update(
+        exit_code=exit_code,
+        timed_out=timed_out,
+        output_tail="\n".join(tails)[-2000:],
+        seconds=round(seconds, 3),
+    )
     return rec
 
 
@@ -270,13 +288,13 @@ async def _run_group(
     workspace: Path,
     uid: int,
     limits: Limits,
-) -> tuple[dict[str, list[str]], float, str]:
+) -> tuple[dict[str, list[str]], float, ExecResult | None]:
     """All the group's tests in one command; if that fails, each alone (up to
-    INDIVIDUAL_RUNS) to name the failures. -> ({passed, failed, unknown}, seconds, output
-    tail of the failing run)."""
+    INDIVIDUAL_RUNS) to name the failures. -> ({passed, failed, unknown}, seconds, the
+    failing group run or None)."""
     out: dict[str, list[str]] = {"passed": [], "failed": [], "unknown": []}
     if not tests:
-        return out, 0.0, ""
+        return out, 0.0, None
 
     def command(ids: tuple[str, ...]) -> str:
         return f"{test_cmd} {' '.join(shlex.quote(t) for t in ids)}"
@@ -285,8 +303,7 @@ async def _run_group(
     seconds = r.seconds
     if r.exit_code == 0 and not r.timed_out:
         out["passed"] = list(tests)
-        return out, seconds, ""
-    tail = r.output[-1000:]
+        return out, seconds, None
     for i, t in enumerate(tests):
         if i >= INDIVIDUAL_RUNS:
             out["unknown"] += tests[i:]
@@ -298,4 +315,4 @@ async def _run_group(
         # each passes alone but not together (order dependence): the group failed
         out["unknown"] = list(tests)
         out["passed"] = []
-    return out, seconds, tail
+    return out, seconds, r

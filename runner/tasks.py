@@ -7,7 +7,7 @@ run. SWE-bench-style records on a local repository: runner/swebench.py.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ KNOWN_FIELDS = {
     "replay",
     "sampling",
     "workspace",
+    "reward",
     *swebench.FIELDS,
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
@@ -62,6 +63,10 @@ class Task:
     raw: dict[str, Any] = field(default_factory=dict)
     workspace: str | None = None  # absolute path of a directory or archive to start from
     sampling: dict[str, Any] = field(default_factory=dict)  # overrides of the run's sampling
+    reward: str | None = None  # command whose last output line is the reward (a float)
+    # --samples N: this agent is sample `sample` of dataset task `dataset_id` (None: `id`)
+    sample: int = 0
+    dataset_id: str | None = None
     swe: SweSpec | None = None  # a SWE-bench-style record on a local repository
 
 
@@ -283,7 +288,14 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ev = rec.get("eval")
     if ev is not None and not isinstance(ev, str):
         raise ValueError('"eval" must be a command string')
-    for name, cmd in [*(("setup", c) for c in setup), ("eval", ev or "")]:
+    reward = rec.get("reward")
+    if reward is not None and not (isinstance(reward, str) and reward.strip()):
+        raise ValueError('"reward" must be a command string (its last output line a float)')
+    for name, cmd in [
+        *(("setup", c) for c in setup),
+        ("eval", ev or ""),
+        ("reward", reward or ""),
+    ]:
         if "\0" in cmd:
             raise ValueError(f'"{name}" command contains a NUL character')
     meta = rec.get("metadata") or {}
@@ -322,7 +334,19 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         if not ok:
             raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
     return Task(
-        tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling, swe
+        tid,
+        messages,
+        max_steps,
+        files,
+        setup,
+        ev,
+        meta,
+        tools,
+        rec,
+        workspace,
+        sampling,
+        reward,
+        swe=swe,
     )
 
 
@@ -439,3 +463,13 @@ def load_tasks(
         listing = ", ".join(f"{k!r} ({n} records)" for k, n in sorted(unknown_fields.items()))
         errors.append(RecordError(location, 0, None, f"unknown task fields ignored: {listing}"))
     return tasks, errors, location
+
+
+def expand_samples(tasks: list[Task], n: int) -> list[Task]:
+    """--samples N: N independent agents per task, ids `<task>#<k>` (N = 1: the tasks as
+    they are, so a run folder of single samples keeps its ids)."""
+    if n == 1:
+        return tasks
+    return [
+        replace(t, id=f"{t.id}#{k}", sample=k, dataset_id=t.id) for t in tasks for k in range(n)
+    ]

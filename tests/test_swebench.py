@@ -9,12 +9,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 
-from runner.swebench import apply_script, parse_spec, patched_paths
+from runner.swebench import DEFAULT_TEST_CMD, apply_script, parse_spec, patched_paths
 from runner.tasks import load_tasks
 
-from .conftest import read_jsonl, run_cli
+from .conftest import ROOT, read_jsonl, run_cli
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 OLD_TESTS = "from calc import sub\n\n\ndef test_sub():\n    assert sub(5, 3) == 2\n"
@@ -162,17 +163,28 @@ def test_swebench_record_end_to_end(tmp_path, needs_bwrap):
     assert "return a + b" in fixed["patch"]["diff"]
 
     ev = fixed["eval"]
-    assert ev["kind"] == "swe-bench" and ev["test_patch"] == "applied" and ev["solved"] is True
-    assert ev["FAIL_TO_PASS"] == {"passed": F2P, "failed": [], "unknown": []}
-    assert ev["PASS_TO_PASS"] == {"passed": P2P, "failed": [], "unknown": []}
+    assert (ev["solved"], ev["exit_code"], ev["command"]) == (True, 0, DEFAULT_TEST_CMD)
+    assert ev["tests"] == {
+        "test_patch": "applied",
+        "FAIL_TO_PASS": {"passed": F2P, "failed": [], "unknown": []},
+        "PASS_TO_PASS": {"passed": P2P, "failed": [], "unknown": []},
+    }
 
     ev = untouched["eval"]
-    assert ev["solved"] is False and ev["FAIL_TO_PASS"]["failed"] == F2P
-    assert ev["PASS_TO_PASS"]["passed"] == P2P
+    assert ev["solved"] is False and ev["exit_code"] != 0 and "test_add" in ev["output_tail"]
+    assert ev["tests"]["FAIL_TO_PASS"]["failed"] == F2P
+    assert ev["tests"]["PASS_TO_PASS"]["passed"] == P2P
 
     ev = broke["eval"]
     assert ev["solved"] is False
-    assert ev["FAIL_TO_PASS"]["passed"] == F2P and ev["PASS_TO_PASS"]["failed"] == P2P
+    assert ev["tests"]["FAIL_TO_PASS"]["passed"] == F2P
+    assert ev["tests"]["PASS_TO_PASS"]["failed"] == P2P
+
+    validator = jsonschema.Draft202012Validator(
+        json.loads((ROOT / "runner" / "schemas" / "trajectory.schema.json").read_text())
+    )
+    for t in by_id.values():
+        validator.validate(t)
 
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["solved"], summary["evaluated"]) == (1, 3)

@@ -33,6 +33,7 @@ NOT_RESULTS = frozenset(
         "limit",
         "task_ids",
         "keep_errors",
+        "keep_workspaces",  # where finished workspaces go, not what happens in them
         "eval_only",
         "threads",
     }

@@ -81,10 +81,22 @@ ENGINE_NAMES = (*ENGINES, "sim")
 
 
 def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--engine sim: the simulated engine's options from the command line."""
+    """--engine sim: the simulated engine's options from the command line (bench/paper.py's
+    `cli_args` writes the same options for each of its runs)."""
     options: dict[str, Any] = {}
+    cap = args.sim_max_total_tokens
+    if cap is not None:
+        if cap < 1:
+            raise ValueError(f"--sim-max-total-tokens must be >= 1, got {cap}")
+        options["max_total_tokens"] = cap
     if args.hicache_ratio > 0:
         options["hicache_ratio"] = args.hicache_ratio
+    if args.hicache_size > 0:
+        options["hicache_size"] = args.hicache_size
+    if args.hicache_gbps is not None:
+        if args.hicache_gbps <= 0:
+            raise ValueError(f"--hicache-gbps must be > 0, got {args.hicache_gbps}")
+        options["pcie_bytes_per_s"] = args.hicache_gbps * 1e9
     if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
         options["sessions"] = True
     return options

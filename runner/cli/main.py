@@ -27,7 +27,7 @@ from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
-from ..tasks import KNOWN_FIELDS, RecordError, Task, load_tasks
+from ..tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
 from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
@@ -57,8 +57,14 @@ def report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def export(argv: list[str]) -> int:
+    from ..export import main as export_main
+
+    return export_main(argv)
+
+
 # `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report}
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report, "export": export}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +192,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
     if args.replay_from and args.engine != "replay":
         raise ValueError("--replay-from needs --engine replay")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
     if args.ray is not None or args.workers is not None:
         from .scaleout import check_ray_options
 
@@ -205,6 +213,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
     fmap = parse_field_map(args.field_map, KNOWN_FIELDS) if args.field_map else None
     tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split, fmap)
+    tasks = expand_samples(tasks, args.samples)
     local = Path(source).exists()  # a file or a save_to_disk folder
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
@@ -224,6 +233,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
+        rollouts=not args.no_rollouts,
     )
     return Plan(tasks, bad, source, out, config)
 

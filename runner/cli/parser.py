@@ -166,13 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sim-deployment",
         default="qwen3-32b-tp8",
-        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, tiny-cpu",
+        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, deepseek-v3-tp16-paper (the pool "
+        "capped to the paper's KV size), tiny-cpu",
+    )
+    g.add_argument(
+        "--sim-max-total-tokens",
+        type=int,
+        help="cap the simulated KV pool, tokens (SGLang's --max-total-tokens)",
     )
     g.add_argument(
         "--hicache-ratio",
         type=float,
         default=0.0,
         help="host-memory KV tier, as a multiple of the device pool (0: none)",
+    )
+    g.add_argument(
+        "--hicache-size",
+        type=float,
+        default=0.0,
+        help="host-memory KV tier, GB per rank (SGLang's --hicache-size; wins over the ratio)",
+    )
+    g.add_argument(
+        "--hicache-gbps",
+        type=float,
+        help="host-to-GPU reload bandwidth, GB/s per GPU (default: the preset's, 50)",
     )
 
     g = p.add_argument_group("admission gate")
@@ -252,6 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run no agents: score an existing run folder again (its `eval` per task and "
         "summary.json), over the workspaces kept by a --keep-workspaces run",
+    )
+
+    g = p.add_argument_group("outputs (docs/outputs.md)")
+    g.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="independent agents per task (ids <task>#<k>, seeds derived from --seed and k); "
+        "summary.json gets pass@k when tasks have an eval",
+    )
+    g.add_argument(
+        "--no-rollouts",
+        action="store_true",
+        help="do not write rollouts.jsonl (token ids, loss mask, logprobs of every agent)",
     )
 
     g = p.add_argument_group("many nodes (Ray; docs/scale-out.md)")

@@ -67,13 +67,17 @@ class ReplayEngine:
     name = "replay"
 
     def __init__(
-        self, scripts: dict[str, list[str]], context_limit: int = 8192, source: str = "tasks"
+        self,
+        scripts: dict[str, list[str]],
+        context_limit: int = 8192,
+        source: str = "tasks",
+        tokenizer: ChatMLTokenizer | None = None,  # e.g. one with another chat template
     ) -> None:
         self.model = f"replay ({source})"
         self._from_tasks = source == "tasks"
         self.context_limit = context_limit
         self.scripts = scripts
-        self._tok = ChatMLTokenizer()
+        self._tok = tokenizer or ChatMLTokenizer()
         self._turn: dict[str, int] = {}
         self._last: dict[str, list[int]] = {}  # the agent's previous prompt + output ids
         self.requests = 0

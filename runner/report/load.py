@@ -121,7 +121,7 @@ def reward(rec: dict[str, Any]) -> float | None:
     if isinstance(r, int | float) and not isinstance(r, bool):
         return float(r)
     ev = rec.get("eval")
-    if isinstance(ev, dict) and "solved" in ev:
+    if isinstance(ev, dict) and ev.get("solved") is not None:  # format 2: null without eval
         return 1.0 if ev["solved"] else 0.0
     return None
 
@@ -129,7 +129,7 @@ def reward(rec: dict[str, Any]) -> float | None:
 def solved(rec: dict[str, Any]) -> bool | None:
     """Solved (reward 1, or the eval passed); None when not evaluated."""
     ev = rec.get("eval")
-    if isinstance(ev, dict) and "solved" in ev:
+    if isinstance(ev, dict) and ev.get("solved") is not None:
         return bool(ev["solved"])
     r = reward(rec)
     return None if r is None else r >= 1.0

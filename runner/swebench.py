@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,11 +200,16 @@ def _git(args: list[str], spec: SweSpec, cwd: Path | None) -> None:
         "core.fsmonitor=false",
         "-c",
         "protocol.file.allow=always",
-        "-c",
-        f"safe.directory={spec.repo}",
         *args,
     ]
-    r = subprocess.run(cmd, cwd=cwd, env=_GIT_ENV, capture_output=True, text=True, check=False)
+    # The dataset's repository is usually not root's: trust that one path, for the clone
+    # and for the upload-pack it starts (which ignores `-c safe.directory`; a global
+    # config file is read by both).
+    with tempfile.NamedTemporaryFile("w", suffix=".gitconfig") as cfg:
+        cfg.write(f"[safe]\n\tdirectory = {json.dumps(spec.repo)}\n")
+        cfg.flush()
+        env = {**_GIT_ENV, "GIT_CONFIG_GLOBAL": cfg.name}
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise ValueError(
             f"repo {spec.repo} at {spec.base_commit}: git {args[0]} failed: "

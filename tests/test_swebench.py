@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from runner.swebench import DEFAULT_TEST_CMD, apply_script, parse_spec, patched_paths
+from runner.swebench import DEFAULT_TEST_CMD, apply_script, checkout, parse_spec, patched_paths
 from runner.tasks import load_tasks
 
 from .conftest import ROOT, read_jsonl, run_cli
@@ -188,3 +188,22 @@ def test_swebench_record_end_to_end(tmp_path, needs_bwrap):
 
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["solved"], summary["evaluated"]) == (1, 3)
+
+
+def test_a_bare_mirror_owned_by_another_user_is_cloned_at_the_base(tmp_path):
+    """As SWE-bench users keep them (`git clone --mirror`), and not root's: git's
+    ownership check must accept that one repository, and the later commit must not show."""
+    base, patch = make_repo(tmp_path / "src")
+    mirror = tmp_path / "repos" / "calc.git"
+    subprocess.run(
+        ["git", "clone", "-q", "--mirror", str(tmp_path / "src"), str(mirror)], check=True
+    )
+    subprocess.run(["chown", "-R", "4321:4321", str(tmp_path / "repos")], check=True)
+    spec = parse_spec({**record("m", base, patch), "repo": "repos/calc.git"}, tmp_path)
+    assert spec is not None
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    checkout(ws, spec, 2**28)
+    assert git(ws, "log", "--format=%s").split("\n")[0] == "base: add() subtracts"
+    assert git(ws, "remote") == "" and not (ws / "LATER").exists()
+    assert (ws / "calc.py").read_text() == BUGGY

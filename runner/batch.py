@@ -322,14 +322,9 @@ class Batch:
             )
         return tuple(rows)
 
-    async def _run_one(self, index: int, task: Task) -> None:
-        """Everything about one agent, end to end. Never raises (except cancellation)."""
-        t0 = self._started[task.id] = asyncio.get_running_loop().time()
-        uid = self.config.uid_base + index
-        ws = self._ws_root / task.id
-        ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
-        sampling = self._sampling(task)
-        record = trajectory(
+    def _new_record(self, task: Task, sampling: SamplingParams) -> dict[str, Any]:
+        """A trajectory record with every key (runner/records.py), as far as known now."""
+        return trajectory(
             task_id=task.id,
             task=task.dataset_id or task.id,
             sample=task.sample,
@@ -337,6 +332,15 @@ class Batch:
             engine=self.engine.name,
             model=self.engine.model,
         )
+
+    async def _run_one(self, index: int, task: Task) -> None:
+        """Everything about one agent, end to end. Never raises (except cancellation)."""
+        t0 = self._started[task.id] = asyncio.get_running_loop().time()
+        uid = self.config.uid_base + index
+        ws = self._ws_root / task.id
+        ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
+        sampling = self._sampling(task)
+        record = self._new_record(task, sampling)
         record["metadata"] = json.dumps(task.metadata, ensure_ascii=False, default=str)
         agent: Agent | None = None
         try:
@@ -388,14 +392,7 @@ class Batch:
             raise
         except Exception as e:  # recording must never end the batch: keep a minimal record
             log.exception("could not record agent %s in full", task.id)
-            minimal = trajectory(
-                task_id=task.id,
-                task=task.dataset_id or task.id,
-                sample=task.sample,
-                seed=sampling.seed,
-                engine=self.engine.name,
-                model=self.engine.model,
-            )
+            minimal = self._new_record(task, sampling)
             minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
             self.store.add_trajectory(minimal)
             self._count(minimal)

@@ -9,7 +9,7 @@ engine, the simulator included, writes this one schema; engine-specific counters
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .engine import Engine, EngineStats
@@ -43,6 +43,25 @@ def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def batch_totals(
+    finished: Mapping[str, dict[str, Any]],
+    task_ids: list[str],
+    invalid_records: int,
+    interrupted: bool,
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The head of every summary: the selected tasks' totals over the finished records."""
+    totals = record_totals(finished[t] for t in task_ids if t in finished)
+    return {
+        "tasks": len(task_ids),
+        "invalid_records": invalid_records,
+        **totals,
+        "unfinished": len(task_ids) - totals["finished"],
+        "interrupted": interrupted,
+        "wall_seconds": round(wall_seconds, 3),
+    }
+
+
 def build_summary(
     batch: Batch,
     engine: Engine,
@@ -57,15 +76,8 @@ def build_summary(
     config: dict[str, Any],
 ) -> dict[str, Any]:
     """The summary of a batch over the selected tasks (`task_ids`)."""
-    finished = batch.store.finished
-    totals = record_totals(finished[t] for t in task_ids if t in finished)
     return {
-        "tasks": len(task_ids),
-        "invalid_records": invalid_records,
-        **totals,
-        "unfinished": len(task_ids) - totals["finished"],
-        "interrupted": interrupted,
-        "wall_seconds": round(wall_seconds, 3),
+        **batch_totals(batch.store.finished, task_ids, invalid_records, interrupted, wall_seconds),
         # loop time of this session's batch: wall-clock, or simulated seconds on virtual time
         "batch_seconds": round(batch_seconds, 3),
         "clock": "virtual" if virtual_time else "wall",

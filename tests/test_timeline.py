@@ -11,6 +11,8 @@ import pytest
 
 from runner.report.timeline import phases, series, write_timeline
 
+from .conftest import run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -73,11 +75,8 @@ def test_write_timeline(tmp_path):
 
 def test_every_run_writes_a_timeline_and_report_plot_redraws_it(tmp_path):
     out = tmp_path / "sim"
-    subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "--engine", "sim", "--workload", "tiny",
-         "--sim-deployment", "tiny-cpu", "--out", str(out), "-q"],
-        cwd=ROOT, check=True, timeout=300,
-    )  # fmt: skip
+    run_cli("--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu", "--out",
+            str(out), "-q", timeout=300)  # fmt: skip
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == PNG
     png.unlink()

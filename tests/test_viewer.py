@@ -14,6 +14,7 @@ import pytest
 from runner.report.html import write_html
 
 from .browser import Page, chromium
+from .conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "document.body && document.body.dataset.ready"
@@ -181,11 +182,8 @@ def test_ten_thousand_trajectories_render_lazily(browser, tmp_path):
 
 def test_report_html_of_a_real_run(browser, tmp_path):
     out = tmp_path / "sim"
-    subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "--engine", "sim", "--workload", "tiny",
-         "--sim-deployment", "tiny-cpu", "--out", str(out), "-q"],
-        cwd=ROOT, check=True, timeout=300,
-    )  # fmt: skip
+    run_cli("--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu", "--out",
+            str(out), "-q", timeout=300)  # fmt: skip
     html = tmp_path / "sim.html"
     p = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "report", str(out), "--html", str(html)],

@@ -8,7 +8,7 @@ import platform
 from typing import Any
 
 from ..store import RunStore
-from ..summary import record_totals
+from ..summary import batch_totals
 from .handle import Handle
 
 SESSION_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
@@ -26,8 +26,6 @@ def distributed_summary(
     config: dict[str, Any],
     figures: dict[str, Any],
 ) -> dict[str, Any]:
-    finished = store.finished
-    totals = record_totals(finished[t] for t in task_ids if t in finished)
     workers = [worker_entry(h) for h in handles]
     parts = [h.done.parts for h in handles if h.done is not None and "engine" in h.done.parts]
     session: dict[str, Any] = {
@@ -37,12 +35,7 @@ def distributed_summary(
     virtual = bool(parts) and parts[0].get("clock") == "virtual"
     loop_seconds = [p["batch_seconds"] for p in parts if p.get("batch_seconds") is not None]
     return {
-        "tasks": len(task_ids),
-        "invalid_records": invalid_records,
-        **totals,
-        "unfinished": len(task_ids) - totals["finished"],
-        "interrupted": interrupted,
-        "wall_seconds": round(wall_seconds, 3),
+        **batch_totals(store.finished, task_ids, invalid_records, interrupted, wall_seconds),
         # simulated: the longest worker's virtual seconds (each worker has a clock of its own)
         "batch_seconds": round(max(loop_seconds) if virtual and loop_seconds else wall_seconds, 3),
         "clock": "virtual" if virtual else "wall",

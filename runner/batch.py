@@ -26,6 +26,7 @@ from .gate import AdmissionGate, Gate
 from .policies import Policy
 from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
+from .stopping import DrainingGate
 from .store import RunStore
 from .tasks import Task
 from .workspace import populate
@@ -103,6 +104,8 @@ class Batch:
             )
         self.totals = Totals()
         self.progress = progress
+        self._agent_gate = DrainingGate(self.gate)  # what agents see: can stop admitting
+        self._agent_tasks: dict[str, asyncio.Task[None]] = {}
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -160,10 +163,20 @@ class Batch:
             ui = tg.create_task(self.progress.run(self.status)) if self.progress else None
             async with asyncio.TaskGroup() as agents:
                 for i, task in enumerate(self.todo):
-                    agents.create_task(self._run_one(i, task))
+                    self._agent_tasks[task.id] = agents.create_task(self._run_one(i, task))
             control.cancel()
             if ui:
                 ui.cancel()
+
+    def stop_admitting(self) -> int:
+        """Drain (on a signal): cancel every agent that holds no slot (not recorded: it runs
+        again on resume); the admitted ones go on. -> how many go on."""
+        going_on = self._agent_gate.stop_admitting()
+        running = [k for k, t in self._agent_tasks.items() if not t.done()]
+        for key in running:
+            if key not in going_on:
+                self._agent_tasks[key].cancel()
+        return sum(1 for k in running if k in going_on)
 
     def status(self) -> BatchStatus:
         """Where the batch stands (for the progress display)."""
@@ -204,7 +217,7 @@ class Batch:
                 key=task.id,
                 task=task,
                 engine=self.engine,
-                gate=self.gate,
+                gate=self._agent_gate,
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=_sampling_for(self.config.sampling, task),
@@ -229,7 +242,7 @@ class Batch:
             log.exception("agent %s crashed", task.id)
             status, reason, answer = "error", f"{type(e).__name__}: {e}", None
         finally:
-            self.gate.finish(task.id)
+            self._agent_gate.finish(task.id)
         try:
             await self.engine.end_agent(task.id)
         except Exception as e:  # releasing engine state must not lose the record

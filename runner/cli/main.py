@@ -115,6 +115,7 @@ def run(
         invalid_records=sum(1 for err in plan.bad if err.line > 0),  # not --task-ids'
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         run_loop=plan.run_loop,
+        grace=args.grace_seconds,
     )
     s = outcome.summary
     log.info(

@@ -54,11 +54,11 @@ def execute(
     stop = None if virtual else SignalStop(grace)
     try:
         batch_seconds = runner(_run(batch, engine, stop))
-        if stop is not None and stop.signal is not None:
+        if stop is not None and stop.received is not None:
             interrupted, code = True, stop.exit_code
             log.warning(
                 "stopped by %s%s: finished agents are saved; run the same command to resume",
-                stop.signal.name,
+                stop.received.name,
                 " before the agents in flight could finish" if stop.hard else "",
             )
     except KeyboardInterrupt:
@@ -89,8 +89,8 @@ def execute(
             interrupted=interrupted,
             config=config,
         )
-        if stop is not None and stop.signal is not None:
-            summary["stopped_by"] = stop.signal.name
+        if stop is not None and stop.received is not None:
+            summary["stopped_by"] = stop.received.name
         batch.store.write_summary(summary)
     return Outcome(summary, code)
 

@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .gate import AdmissionGate
+from .gate import AdmissionGate, Unit
 
 log = logging.getLogger("concur")
 
@@ -29,6 +29,7 @@ class DrainingGate:
 
     def __init__(self, gate: AdmissionGate) -> None:
         self.inner = gate
+        self.unit: Unit = gate.unit
         self._admitted: set[str] = set()  # got a slot at least once, not finished
         self._waiting: set[str] = set()  # inside acquire right now
         self._continuing: set[str] | None = None  # None: not draining
@@ -75,7 +76,7 @@ class SignalStop:
     """What the signal handlers saw, and the hooks they act through."""
 
     grace: float = DEFAULT_GRACE_SECONDS
-    signal: signal.Signals | None = None  # the first one received
+    received: signal.Signals | None = None  # the first signal
     hard: bool = False  # stopped at once: a second signal, or the grace period ran out
     _drain: Callable[[], int] | None = None  # -> agents allowed to finish
     _cancel: Callable[[], object] | None = None
@@ -83,7 +84,7 @@ class SignalStop:
 
     @property
     def exit_code(self) -> int:
-        return 128 + int(self.signal) if self.signal is not None else 0
+        return 128 + int(self.received) if self.received is not None else 0
 
     def install(
         self,
@@ -103,11 +104,11 @@ class SignalStop:
 
     def _received(self, sig: signal.Signals, loop: asyncio.AbstractEventLoop) -> None:
         assert self._drain is not None and self._cancel is not None
-        if self.signal is not None:
+        if self.received is not None:
             log.warning("%s again: stopping now", sig.name)
             self._stop_now()
             return
-        self.signal = sig
+        self.received = sig
         going_on = self._drain()
         log.warning(
             "%s: stopping; no agent is admitted any more; %d agents in flight get up to %gs "

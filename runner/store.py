@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
+log = logging.getLogger("concur")
 
 
 def _repair(path: Path) -> int:
@@ -71,6 +73,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     _replace_durably(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return a == b or Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
 def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False, default=str) + "\n"
 
@@ -101,6 +110,7 @@ class RunStore:
         self.log = root / "run.log"
         self.repaired_bytes = _repair(self.trajectories) + _repair(self.errors)
         self.finished: dict[str, dict[str, Any]] = {}
+        self._known_errors: set[str] | None = None  # errors.jsonl's records, read when needed
         self._load()
 
     def _load(self) -> None:
@@ -155,21 +165,35 @@ class RunStore:
                 self.finished[tid] = new
         _replace_durably(self.trajectories, "".join(out))
 
-    def bind_source(self, source: str) -> None:
+    def bind_source(self, source: str, sha256: str | None = None) -> None:
         """Record which dataset this run folder belongs to; refuse another one (task ids
-        like "0", "1" would otherwise be taken as finished)."""
+        like "0", "1" would otherwise be taken as finished). A local dataset is its resolved
+        path or its content (`sha256`): the same file typed another way, or moved, is the same
+        dataset; an edited one at the same path too (a fixed record runs), with a warning."""
         meta = self.root / "run.json"
+        known: dict[str, Any] = {}
         if meta.exists():
             try:
-                known = json.loads(meta.read_text(encoding="utf-8")).get("source")
-            except (OSError, json.JSONDecodeError, AttributeError):
-                known = None
-            if known is not None and known != source:
-                raise RunFolderBusy(
-                    f"{self.root} holds a run of {known}, not of {source}: pass another --out"
-                )
+                known = json.loads(meta.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                known = {}
+        if not isinstance(known, dict) or known.get("source") is None:
+            write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source, "sha256": sha256})
             return
-        write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source})
+        same_path = _same_path(known["source"], source)
+        same_content = sha256 is not None and known.get("sha256") == sha256
+        if not (same_path or same_content):
+            raise RunFolderBusy(
+                f"{self.root} holds a run of {known['source']}, not of {source}: pass another --out"
+            )
+        if known.get("sha256") not in (None, sha256):
+            log.warning(
+                "%s changed since this run folder was started: finished tasks keep their "
+                "records, the others run from the file as it is now",
+                source,
+            )
+        if (known["source"], known.get("sha256")) != (source, sha256):
+            write_json_atomic(meta, {**known, "source": source, "sha256": sha256})
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}
@@ -178,6 +202,27 @@ class RunStore:
 
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
+
+    def add_error_once(self, record: dict[str, Any]) -> bool:
+        """add_error unless errors.jsonl already holds this very record (the same bad task
+        record is found again on every rerun). -> whether it was written."""
+        if self._known_errors is None:
+            self._known_errors = set()
+            if self.errors.exists():
+                with self.errors.open(encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        try:
+                            rec = json.loads(line)
+                            rec.pop("time", None)
+                            self._known_errors.add(_dumps(rec))
+                        except (json.JSONDecodeError, AttributeError):
+                            continue
+        key = _dumps(record)
+        if key in self._known_errors:
+            return False
+        self._known_errors.add(key)
+        self.add_error(record)
+        return True
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

@@ -6,8 +6,10 @@ the valid ones run.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,7 @@ def resolve_source(spec: str) -> tuple[str, str]:
                 raise TaskSourceError(
                     f"{c}: unsupported file type {c.suffix!r}; use .jsonl, .json, .parquet or .csv"
                 )
-            return kind, str(c)
+            return kind, str(c.resolve())  # one name however the path was typed
     if p.suffix.lower() in LOCAL_SUFFIXES or spec.startswith((".", "/")):
         tried = " or ".join(str(c) for c in candidates)
         raise TaskSourceError(f"task file not found: {tried}")
@@ -134,16 +136,30 @@ def _read_csv(location: str) -> list[Any]:
     `max_steps` is the one numeric field."""
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # `files` cells can be large
     out: list[Any] = []
+    text = _decode_whole(location)
     try:
-        with open(location, encoding="utf-8-sig", errors="replace", newline="") as f:
-            for row in csv.DictReader(f):
-                rec = {k: v for k, v in row.items() if isinstance(k, str) and v not in ("", None)}
-                if "max_steps" in rec:
-                    rec["max_steps"] = _number(rec["max_steps"])
-                out.append(rec)
+        for row in csv.DictReader(io.StringIO(text, newline="")):
+            rec = {k: v for k, v in row.items() if isinstance(k, str) and v not in ("", None)}
+            if "max_steps" in rec:
+                rec["max_steps"] = _number(rec["max_steps"])
+            out.append(rec)
     except csv.Error as e:
         raise TaskSourceError(f"cannot load tasks from {location!r}: bad CSV: {e}") from None
     return out
+
+
+def _decode_whole(location: str) -> str:
+    """The file as text, or TaskSourceError naming the line of the first byte that is not
+    UTF-8 (a CSV record can span lines, so one bad byte cannot cost just one record)."""
+    data = Path(location).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TaskSourceError(
+            f"{location}:{line}: not UTF-8 (byte 0x{data[e.start]:02x}); convert the file "
+            "to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _number(text: str) -> Any:
@@ -161,8 +177,13 @@ _BLANK = object()  # a blank JSONL line: skipped, but it keeps the line numberin
 def _read_jsonl(location: str) -> list[Any]:
     """Per line, so one bad line costs one task, and errors name the line."""
     out: list[Any] = []
-    with open(location, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(location, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # never replaced silently: ids would change
+                out.append(_Bad(_not_utf8(raw, e)))
+                continue
             if not line.strip():
                 out.append(_BLANK)  # keeps numbering; skipped silently
                 continue
@@ -171,6 +192,10 @@ def _read_jsonl(location: str) -> list[Any]:
             except json.JSONDecodeError as e:
                 out.append(_Bad(f"invalid JSON: {e.msg} at column {e.colno}"))
     return out
+
+
+def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
+    return f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"
 
 
 @dataclass
@@ -191,6 +216,27 @@ def _norm(key: str, value: Any) -> Any:
     return value
 
 
+# Ids name files and folders (workspaces, kept workspaces): a name is at most 255 bytes on
+# Linux filesystems; the rest is room for suffixes.
+MAX_ID_BYTES = 200
+
+
+def check_id(tid: str) -> None:
+    """ValueError unless `tid` can be a file name as it is: not too long, no path separators,
+    no control characters, no surrounding blanks, not "." or ".."."""
+    size = len(tid.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise ValueError(f'"id" is {size} bytes long; at most {MAX_ID_BYTES} (ids name files)')
+    bad = sorted({c for c in tid if c in "/\\" or unicodedata.category(c) in ("Cc", "Cs")})
+    if bad:
+        raise ValueError(
+            f'"id" {tid!r} contains {", ".join(repr(c) for c in bad)}: no "/", "\\", '
+            "control characters or lone surrogates (ids name files)"
+        )
+    if tid in (".", "..") or tid != tid.strip():
+        raise ValueError(f'"id" {tid!r} must not be "." or ".." nor start or end with blanks')
+
+
 def validate(rec: Any, base: Path | None = None) -> Task:
     """A Task, or ValueError with the reason. `base`: the dataset file's directory, against
     which a `workspace` path is resolved (None for hub datasets: no `workspace` then)."""
@@ -204,8 +250,7 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         raise ValueError('missing or empty "id"')
     if not isinstance(tid, str):
         raise ValueError(f'"id" must be a string or an integer, got {type(tid).__name__}')
-    if any(c in tid for c in "/\\\0") or tid in (".", ".."):
-        raise ValueError(f'"id" {tid!r} must not contain "/", "\\" or NUL')
+    check_id(tid)
     prompt, msgs, system = rec.get("prompt"), rec.get("messages"), rec.get("system")
     if (prompt is None) == (msgs is None):
         raise ValueError('exactly one of "prompt" or "messages" is required')

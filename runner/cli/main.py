@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
@@ -26,6 +25,7 @@ from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunStore
 from ..tasks import RecordError, Task, load_tasks
+from .checks import check_options, tool_names
 from .engines import ENGINES, EngineSetup
 from .parser import AIMD_FLAGS, build_parser
 
@@ -45,23 +45,26 @@ class Plan:
     sandbox: CommandSandbox | None = None  # None: the one --sandbox asks for
     setup: EngineSetup | None = None  # None: built from ENGINES once the run folder is ours
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
+    sha256: str | None = None  # the dataset file's content (None: hub or simulated)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        policy = policy_from_args(args)
         check_options(args)
+        policy = policy_from_args(args)
         plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
     except (ValueError, OSError) as e:  # TaskSourceError is a ValueError
         return fail(str(e))
+    if not plan.tasks:
+        return fail(nothing_to_run(plan))
     if args.eval_only and not (plan.out / "trajectories.jsonl").is_file():
         return fail(
             f"--eval-only: {plan.out} holds no trajectories.jsonl; pass the run folder (--out)"
         )
     try:
         store = RunStore(plan.out)
-        store.bind_source(plan.source)
+        store.bind_source(plan.source, plan.sha256)
     except RunFolderBusy as e:
         return fail(str(e))
     setup_logging(store.log, args.quiet)
@@ -142,24 +145,6 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         raise ValueError(f"--policy {args.policy}: {e}") from None
 
 
-def check_options(args: argparse.Namespace) -> None:
-    if args.control_period <= 0:
-        raise ValueError(f"--control-period must be > 0, got {args.control_period}")
-    if args.max_steps < 1:
-        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
-    if args.limit is not None and args.limit < 0:
-        raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    unknown = [t for t in tool_names(args) if t not in TOOL_REGISTRY]
-    if unknown:
-        raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
-    if args.replay_from and args.engine != "replay":
-        raise ValueError("--replay-from needs --engine replay")
-
-
-def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(t.strip() for t in args.tools.split(",") if t.strip())
-
-
 def constrain_tool_calls(choice: str, engine: Engine) -> bool:
     """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
     can = isinstance(engine, ConstrainedDecoding)
@@ -179,6 +164,10 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
     tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
     local = Path(source).is_file()
+    sha256 = None
+    if local:  # one dataset however its path was typed (run.json keeps both)
+        source = str(Path(source).resolve())
+        sha256 = hashlib.sha256(Path(source).read_bytes()).hexdigest()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
         max_steps=args.max_steps,
@@ -197,7 +186,21 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
     )
-    return Plan(tasks, bad, source, out, config)
+    return Plan(tasks, bad, source, out, config, sha256=sha256)
+
+
+def nothing_to_run(plan: Plan) -> str:
+    """The message for a dataset (or selection) without one valid task, with the counts."""
+    invalid = [e for e in plan.bad if e.line > 0]
+    msg = f"no task to run from {plan.source}: 0 valid, {len(invalid)} invalid records"
+    notes = [e for e in plan.bad if e.line == 0]  # --task-ids not found, unknown fields
+    for e in invalid[:5]:
+        msg += f"\n  line {e.line}: {e.reason}"
+    if len(invalid) > 5:
+        msg += f"\n  ... and {len(invalid) - 5} more"
+    for e in notes:
+        msg += f"\n  {e.reason}"
+    return msg
 
 
 def simulation_plan(args: argparse.Namespace) -> Plan:
@@ -241,12 +244,17 @@ def workspace_root(out: Path) -> Path:
 
 
 def report_bad_records(store: RunStore, bad: list[RecordError]) -> None:
+    known = 0
     for err in bad:
-        store.add_error(err.to_json())
+        if not store.add_error_once(err.to_json()):  # recorded by an earlier run already
+            known += 1
+            continue
         if err.line > 0:
             log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
         else:
             log.warning("%s: %s", err.source, err.reason)
+    if known:
+        log.warning("%d dataset problems, as reported before (see %s)", known, store.errors)
     if store.repaired_bytes:
         log.warning(
             "repaired a torn last line (%d bytes) left by an interrupted run", store.repaired_bytes

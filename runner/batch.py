@@ -17,7 +17,14 @@ from typing import Any
 from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
 from tools.registry import DEFAULT_TOOLS, get_tools
-from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, remove_tree
+from tools.sandbox import (
+    CommandSandbox,
+    Limits,
+    UidLease,
+    lease_uids,
+    move_tree,
+    remove_tree,
+)
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
@@ -106,6 +113,7 @@ class Batch:
         self.progress = progress
         self._agent_gate = DrainingGate(self.gate)  # what agents see: can stop admitting
         self._agent_tasks: dict[str, asyncio.Task[None]] = {}
+        self._uids: UidLease
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -147,6 +155,8 @@ class Batch:
         for t in self.todo:
             self.gate.register(t.id)
         self._ws_root.chmod(0o755)
+        # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py)
+        self._uids = lease_uids(len(self.todo))
         try:
             await self._run_all()
         except* EngineDead as group:
@@ -154,6 +164,7 @@ class Batch:
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
+            self._uids.close()
         self.controller.step()  # a last control line with the final counts
         return self.totals
 
@@ -200,7 +211,7 @@ class Batch:
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
         t0 = asyncio.get_running_loop().time()
-        uid = AGENT_UID_BASE + index
+        uid = self._uids.uid(index)
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
         record: dict[str, Any] = {"task_id": task.id}

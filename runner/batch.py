@@ -24,6 +24,7 @@ from tools.sandbox import (
     lease_uids,
     move_tree,
     remove_tree,
+    start_reaper,
 )
 
 from .agent import Agent
@@ -157,6 +158,7 @@ class Batch:
         self._ws_root.chmod(0o755)
         # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py)
         self._uids = lease_uids(len(self.todo))
+        reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
         try:
             await self._run_all()
         except* EngineDead as group:
@@ -164,6 +166,7 @@ class Batch:
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
+            reaper.close()
             self._uids.close()
         self.controller.step()  # a last control line with the final counts
         return self.totals

@@ -11,17 +11,16 @@ leftover of a dead run (nobody else may use those uids): it is killed then.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
-import signal
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from .cgroups import cgroup_folder
 from .limits import AGENT_UID_BASE
+from .reaper import Reaper, kill_uid_processes, process_uids
 
 log = logging.getLogger("concur.sandbox")
 
@@ -51,14 +50,26 @@ class UidLease:
     def capacity(self) -> int:
         return len(self.blocks) * BLOCK_SIZE
 
-    def uids(self) -> Iterable[int]:
-        for b in self.blocks:
-            yield from range(AGENT_UID_BASE + b * BLOCK_SIZE, AGENT_UID_BASE + (b + 1) * BLOCK_SIZE)
+    def ranges(self) -> list[range]:
+        return [block_range(b) for b in self.blocks]
+
+    @property
+    def locked(self) -> bool:
+        """Whether the uids are really ours (root); an unlocked lease only labels agents."""
+        return bool(self._locks)
+
+    def lock_fds(self) -> list[int]:
+        return [f.fileno() for f in self._locks]
 
     def close(self) -> None:
         for f in self._locks:
             f.close()  # closing the only descriptor drops the flock
         self._locks.clear()
+
+
+def block_range(block: int) -> range:
+    first = AGENT_UID_BASE + block * BLOCK_SIZE
+    return range(first, first + BLOCK_SIZE)
 
 
 def lease_uids(n_agents: int, registry: Path = REGISTRY_DIR) -> UidLease:
@@ -86,7 +97,7 @@ def lease_uids(n_agents: int, registry: Path = REGISTRY_DIR) -> UidLease:
     except BaseException:
         lease.close()
         raise
-    killed = kill_uid_processes(set(lease.uids()))
+    killed = kill_uid_processes(lease.ranges()) + _sweep_free_blocks(set(lease.blocks), registry)
     if killed:
         log.warning(
             "killed %d processes left running by a dead run under the uids leased now", killed
@@ -115,27 +126,25 @@ def _try_lock(path: Path) -> IO[str] | None:
     return f
 
 
-def kill_uid_processes(uids: set[int]) -> int:
-    """SIGKILL every process whose real uid is in `uids`; -> how many were signalled."""
+def start_reaper(lease: UidLease, workspaces: Path | None) -> Reaper:
+    """The reaper of a run (tools/sandbox/reaper.py): if this process dies, it kills what
+    runs under the lease's uids and in this process's cgroup and removes `workspaces`."""
+    uids = lease.ranges() if lease.locked else []  # unlocked: the uids are not ours to kill
+    return Reaper(uids, cgroup_folder(), workspaces, lease.lock_fds())
+
+
+def _sweep_free_blocks(mine: set[int], registry: Path) -> int:
+    """Kill processes under uids of blocks no live run holds (left by a run whose reaper was
+    killed too). -> how many."""
+    span = range(AGENT_UID_BASE, AGENT_UID_BASE + MAX_BLOCKS * BLOCK_SIZE)
+    found = {(uid - AGENT_UID_BASE) // BLOCK_SIZE for _, uid in process_uids() if uid in span}
     killed = 0
-    for pid, uid in _process_uids():
-        if uid in uids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-    return killed
-
-
-def _process_uids() -> Iterable[tuple[int, int]]:
-    """(pid, real uid) of every process, from /proc (a process may end while we read)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for block in sorted(found - mine):
+        lock = _try_lock(registry / f"block-{block}.lock")
+        if lock is None:
+            continue  # a live run's
         try:
-            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        yield int(entry.name), int(line.split()[1])
-                        break
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
+            killed += kill_uid_processes([block_range(block)])
+        finally:
+            lock.close()
+    return killed

@@ -35,7 +35,7 @@ from .policies import Policy
 from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
 from .stopping import DrainingGate
-from .store import RunStore
+from .store import RunFolderWriteError, RunStore
 from .tasks import Task
 from .workspace import populate
 
@@ -161,8 +161,8 @@ class Batch:
         reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
         try:
             await self._run_all()
-        except* EngineDead as group:
-            raise _first_leaf(group) from None
+        except* (EngineDead, RunFolderWriteError) as group:
+            raise _first_leaf(group) from None  # stops the batch; the rest runs on resume
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
@@ -263,8 +263,8 @@ class Batch:
             log.warning("engine could not release agent %s: %s", task.id, e)
         try:
             await self._finish_record(task, ctx, agent, record, status, reason, answer, t0)
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, RunFolderWriteError):
+            raise  # a run folder that cannot be written stops the batch (not one agent)
         except Exception as e:  # recording must never end the batch: keep a minimal record
             log.exception("could not record agent %s in full", task.id)
             self.store.add_trajectory(

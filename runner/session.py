@@ -17,6 +17,7 @@ from typing import Any
 from .batch import Batch, EngineDead
 from .engine import Engine
 from .stopping import DEFAULT_GRACE_SECONDS, SignalStop
+from .store import RunFolderWriteError
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -71,6 +72,13 @@ def execute(
             "that failed on the engine run again when you rerun the command",
             e,
         )
+    except RunFolderWriteError as e:
+        interrupted, code = True, 1
+        log.error(
+            "%s. The batch stopped: every record reported written is on disk; free space "
+            "and run the same command to resume",
+            e,
+        )
     except BaseException:
         interrupted = True
         log.exception("the batch crashed; finished agents are saved; run again to resume")
@@ -91,8 +99,15 @@ def execute(
         )
         if stop is not None and stop.received is not None:
             summary["stopped_by"] = stop.received.name
-        batch.store.write_summary(summary)
+        _write_summary(batch, summary)
     return Outcome(summary, code)
+
+
+def _write_summary(batch: Batch, summary: dict[str, Any]) -> None:
+    try:
+        batch.store.write_summary(summary)
+    except RunFolderWriteError as e:  # the records are the truth; the summary is a view
+        log.error("%s: no summary.json this time (the next run writes it)", e)
 
 
 async def _run(batch: Batch, engine: Engine, stop: SignalStop | None) -> float:

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,16 +41,42 @@ def _repair(path: Path) -> int:
         return len(data) - keep
 
 
+class RunFolderWriteError(OSError):
+    """A write to the run folder failed (disk full, I/O error): the batch must stop. The
+    message names the file and the free space; nothing half-written is left."""
+
+
+def _write_error(path: Path, e: OSError) -> RunFolderWriteError:
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    err = RunFolderWriteError(f"cannot write {path}: {e.strerror or e} ({free} on its filesystem)")
+    err.errno = e.errno  # the message alone in str(), the cause still inspectable
+    return err
+
+
 def _append(path: Path, record: dict[str, Any]) -> None:
+    """One line, written whole and fsync'd before this returns; on failure the file is cut
+    back to where it was, so a line is either all there (and synced) or not at all."""
     # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
     # reads back unchanged, instead of an encoding error that would lose the record
     line = _dumps(record).encode("utf-8", "backslashreplace")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
-        while written < len(line):  # a short write (disk nearly full): finish the line
-            written += os.write(fd, line[written:])
-        os.fsync(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _write_error(path, e) from None
+    try:
+        size = os.fstat(fd).st_size  # one writer per run folder (the lock): stays valid
+        try:
+            written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
+            while written < len(line):  # a short write (disk nearly full): finish the line
+                written += os.write(fd, line[written:])
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)  # no torn line left behind
+            raise _write_error(path, e) from None
     finally:
         os.close(fd)
 
@@ -57,16 +85,21 @@ def _replace_durably(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
     folder: a crash leaves the old file or the new one, never a mix or an empty one."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # no empty or partial temp file left
+        raise _write_error(path, e) from None
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

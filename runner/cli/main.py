@@ -23,7 +23,7 @@ from ..engine import ConstrainedDecoding, Engine, SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
-from ..store import RunFolderBusy, RunStore
+from ..store import RunFolderBusy, RunFolderWriteError, RunStore
 from ..tasks import RecordError, Task, load_tasks
 from .checks import check_options, tool_names
 from .engines import ENGINES, EngineSetup
@@ -50,6 +50,14 @@ class Plan:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except RunFolderWriteError as e:  # before the batch (in it, the session reports it)
+        print(f"run.py: error: {e}; free space and run again", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         check_options(args)
         policy = policy_from_args(args)
@@ -261,6 +269,19 @@ def report_bad_records(store: RunStore, bad: list[RecordError]) -> None:
         )
 
 
+class _RunLogHandler(logging.FileHandler):
+    """run.log; a failed write (disk full) is said once on stderr, not as a traceback per
+    line ("--- Logging error ---"): the run folder's own write error stops the batch."""
+
+    _failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._failed:
+            self._failed = True
+            e = sys.exc_info()[1]
+            print(f"run.py: cannot write {self.baseFilename}: {e}", file=sys.stderr)
+
+
 def setup_logging(path: Path, quiet: bool) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("concur")
@@ -269,7 +290,7 @@ def setup_logging(path: Path, quiet: bool) -> None:
     err = logging.StreamHandler(sys.stderr)
     err.setLevel(logging.WARNING if quiet else logging.INFO)
     err.setFormatter(fmt)
-    f = logging.FileHandler(path, encoding="utf-8")
+    f = _RunLogHandler(path, encoding="utf-8")
     f.setFormatter(fmt)
     root.addHandler(err)
     root.addHandler(f)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -23,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runner.control import Controller
 from runner.engine import CacheStats, SamplingParams
 from runner.gate import Gate
-from runner.policies import AIMD, WorkingSet
+from runner.policies import AIMD, Signals, WorkingSet
+from runner.sim.engine import CostModel
+from runner.sim.engine import deployment as sim_deployment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -66,6 +70,22 @@ async def gate_costs(n: int) -> dict[str, float]:
         ws.step()
     control_wset_us = (time.perf_counter() - t) / periods * 1e6
 
+    # wset's own update (the policy, given the signals), at n agents half held, half waiting
+    rng = random.Random(0)
+    half_n = n // 2
+    sig = Signals(
+        now=0.0, window=half_n, usage=0.3, hit_rate=0.5, active=half_n, paused=0,
+        pending=n - half_n, finished=0, unfinished=n, capacity_tokens=n * 20_000,
+        held_contexts=tuple(rng.randint(1_000, 30_000) for _ in range(half_n)),
+        waiting_contexts=tuple(rng.randint(1_000, 30_000) for _ in range(n - half_n)),
+        growth_per_step=500.0, recompute_rate=0.1, shared_tokens=1_000,
+    )  # fmt: skip
+    policy = WorkingSet()
+    t = time.perf_counter()
+    for _ in range(periods):
+        policy.update(sig)
+    wset_policy_us = (time.perf_counter() - t) / periods * 1e6
+
     # pause + resume cycle: shrink to half (marks n/2), they reach a boundary and wait,
     # then grow back (resumes n/2)
     gate.resize(n)
@@ -90,6 +110,7 @@ async def gate_costs(n: int) -> dict[str, float]:
         "pause_resume_cycle_us_per_agent": cycle_us,
         "control_update_us": control_us,
         "control_update_wset_us": control_wset_us,
+        "wset_policy_update_us": wset_policy_us,
         "finish_us": finish_us,
     }
 
@@ -116,6 +137,18 @@ async def engine_step_seconds() -> dict[str, float] | None:
     }
 
 
+def deployment_steps() -> dict[str, float]:
+    """One engine step of the deployments the gate runs against (the simulator's cost model,
+    docs/simulator.md): the cheapest decode (one request, 1K context) and a mid-run decode
+    (64 requests at 16K each), in microseconds."""
+    out = {}
+    for name in ("qwen3-32b-tp8", "qwen3-32b-tp2", "deepseek-v3-tp16"):
+        cost = CostModel(sim_deployment(name))
+        out[f"{name}_decode_1x1k_us"] = cost.decode(1, 1_000) * 1e6
+        out[f"{name}_decode_64x16k_us"] = cost.decode(64, 64 * 16_000) * 1e6
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=10_000)
@@ -140,6 +173,11 @@ def main() -> None:
             f"warm engine step; control update = "
             f"{gate['control_update_us'] / warm_us:.2e} of one"
         )
+    steps = deployment_steps()
+    fastest = min(steps.values())
+    print(f"one engine step of the simulated deployments: {fastest:.0f} us at the fastest")
+    for k in ("control_update_wset_us", "wset_policy_update_us", "control_update_us"):
+        print(f"  {k:36s} = {gate[k] / fastest:.2%} of the fastest step")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "gate.json"
     out.write_text(
@@ -149,8 +187,18 @@ def main() -> None:
                 "repeats": args.repeats,
                 "gate_us": gate,
                 "engine": engine,
+                "deployment_step_us": steps,
+                "share_of_fastest_step": {
+                    k: gate[k] / fastest
+                    for k in (
+                        "control_update_us",
+                        "control_update_wset_us",
+                        "wset_policy_update_us",
+                    )
+                },
                 "python": platform.python_version(),
                 "machine": platform.machine(),
+                "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates us
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
             indent=2,

@@ -12,10 +12,12 @@ outputs/bench-paper/<run>/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
 import multiprocessing as mp
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,20 +27,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.policies import WorkingSet, make_policy  # noqa: E402
+from runner.policies import make_policy  # noqa: E402
 from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
-from runner.sim.workload import synthetic  # noqa: E402
+from runner.sim.workload import PRESETS, synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RUNS = ROOT / "outputs" / "bench-paper"
 REQUEST_CAP = 64  # the paper does not give its request cap; documented in the report
 HICACHE_RATIO = 2.0  # SGLang's default hicache_ratio: host pool = 2 x device pool
 CONTROL_PERIOD = 1.0  # seconds; the paper does not give its period
-# The paper states ~6.67 GB of KV cache per 4,096-token DeepSeek-V3 request (1.63 MB/token);
-# spread over 16 GPUs beside the FP8 weights that leaves ~280K tokens of pool, fewer than
-# the ~452K an MLA cache replicated per GPU would give. Calibrated to the paper's figure.
-ENGINE_OPTIONS = {"deepseek-v3-tp16": {"max_total_tokens": 280_000}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ TABLE1 = [
     Config(
         "ds-16",
         "DeepSeek-V3, 16 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-16",
         {"none": 873, "hicache": 2559, "aimd": 521},
         {"none": 80.38, "hicache": 97.48, "request-cap": 69.00, "aimd": 96.38},
@@ -84,7 +82,7 @@ TABLE1 = [
     Config(
         "ds-32",
         "DeepSeek-V3, 32 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-32",
         {"none": 1226, "request-cap": 1367, "hicache": 2277, "aimd": 1018},
         {"none": 77.72, "hicache": 97.13, "request-cap": 68.39, "aimd": 93.65},
@@ -92,22 +90,28 @@ TABLE1 = [
     Config(
         "ds-40",
         "DeepSeek-V3, 40 agents, TP16",
-        "deepseek-v3-tp16",
+        "deepseek-v3-tp16-paper",
         "paper-deepseek-40",
         {"none": 3877, "hicache": 2320, "aimd": 2043},
         {"none": 35.41, "hicache": 96.08, "request-cap": 32.21, "aimd": 73.36},
     ),
 ]
-SYSTEMS = ["none", "request-cap", "hicache", "aimd", "wset"]
+SYSTEMS = ["none", "request-cap", "hicache", "aimd", "wset", "wset+hicache"]
 # wset resumes the most recently paused agent first (its KV is likeliest still cached)
-RULES = {"wset": ("newest", "newest")}
-ROBUSTNESS = {  # wset parameters: -50% and +100% of each default, on Qwen TP8
+RULES = {"wset": ("newest", "newest"), "wset+hicache": ("newest", "newest")}
+ROBUST_ROWS = ("qwen-tp8", "qwen-tp4", "qwen-tp2")
+ROBUSTNESS = {  # wset parameters: -50% and +100% of each default, on every Qwen row
     "target": (0.45, 1.8),
     "headroom_steps": (0.5, 2.0),
     "max_recompute": (0.15, 0.6),
     "beta": (0.25, 1.0),
 }
 FIXED_CAPS = {"config": "qwen-tp2", "caps": [30, 32, 64, 128], "paper_best": 1231}
+# The default-policy criterion (issue 16): within CRITERION x the row's lower bound, and never
+# slower than none, aimd or the best of these fixed caps.
+CRITERION = 1.3
+CRITERION_CAPS = (16, 32, 64, 128)
+CANDIDATE = "wset"
 # HiCache variants beside the default (2x host tier, 50 GB/s copy-engine reloads): slower
 # effective reload rates (small-page, CPU-driven copies; see the disagreements section) and a
 # host tier sized like a DGX H100's RAM (2 TB for 8 GPUs: 200 GB per rank).
@@ -142,6 +146,11 @@ class Run:
     rules: tuple[str, str] = ("newest", "oldest")
     pcie_gbps: float | None = None  # HiCache reload bandwidth per GPU (None: the preset's)
     hicache_gb: float | None = None  # host tier, GB per rank (None: HICACHE_RATIO x pool)
+    deployment: str = ""  # the simulator preset and workload preset (from the config)
+    workload: str = ""
+
+    def of(self, cfg: Config) -> Run:
+        return dataclasses.replace(self, deployment=cfg.deployment, workload=cfg.workload)
 
 
 def plan(only: str | None, quick: bool) -> list[Run]:
@@ -149,26 +158,32 @@ def plan(only: str | None, quick: bool) -> list[Run]:
     runs = []
     for c in cfgs:
         for s in SYSTEMS:
-            policy = {"request-cap": f"request-cap:{REQUEST_CAP}", "hicache": "none"}.get(s, s)
+            policy = {
+                "request-cap": f"request-cap:{REQUEST_CAP}",
+                "hicache": "none",
+                "wset+hicache": "wset",
+            }.get(s, s)
             runs.append(
                 Run(
                     f"{c.key}-{s}",
                     c.key,
                     s,
                     policy,
-                    hicache=s == "hicache",
+                    hicache=s.endswith("hicache"),
                     rules=RULES.get(s, ("newest", "oldest")),
                 )
             )
     if quick:
-        return runs
-    if only in (None, "qwen-tp8"):
+        return [r.of(next(c for c in TABLE1 if c.key == r.config)) for r in runs]
+    for key in ROBUST_ROWS:
+        if only not in (None, key):
+            continue
         for k, values in ROBUSTNESS.items():
             for v in values:
                 runs.append(
                     Run(
-                        f"qwen-tp8-wset-{k}{v}",
-                        "qwen-tp8",
+                        f"{key}-wset-{k}{v}",
+                        key,
                         f"wset {k}={v}",
                         "wset",
                         ((k, v),),
@@ -198,6 +213,12 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                     f"agent-cap:{n}",
                 )
             )
+    for c in cfgs:  # the fixed caps of the default-policy criterion, on every row
+        for n in CRITERION_CAPS:
+            name = f"{c.key}-cap{n}"
+            # a cap at or above the batch is `none` again
+            if n < PRESETS[c.workload]["agents"] and all(r.name != name for r in runs):
+                runs.append(Run(name, c.key, f"agent-cap:{n}", f"agent-cap:{n}"))
     for key in SWEEP_U_HIGH:
         if only not in (None, key):
             continue
@@ -210,30 +231,53 @@ def plan(only: str | None, quick: bool) -> list[Run]:
             if ul != 0.2:
                 opts = (("u_low", ul),) if ul < 0.5 else (("u_low", ul), ("u_high", 0.5001))
                 runs.append(Run(f"{key}-ulow{ul}", key, f"aimd u_low={ul}", "aimd", opts))
-    return runs
+    by_key = {c.key: c for c in TABLE1}
+    return [r.of(by_key[r.config]) for r in runs]
+
+
+def engine_options(run: Run) -> dict[str, Any]:
+    """The simulated engine's settings of a run (all of them reachable from the CLI)."""
+    options: dict[str, Any] = {}
+    if run.hicache:
+        options["hicache_ratio"] = HICACHE_RATIO
+    if run.pcie_gbps is not None:
+        options["pcie_bytes_per_s"] = run.pcie_gbps * 1e9
+    if run.hicache_gb is not None:
+        options["hicache_size"] = run.hicache_gb
+    return options
+
+
+def policy_spec(run: Run) -> str:
+    """`--policy` of a run: its name and parameters."""
+    opts = ",".join(f"{k}={v}" for k, v in run.policy_options)
+    return f"{run.policy}:{opts}" if opts else run.policy
+
+
+def cli_args(run: Run, seed: int) -> list[str]:
+    """The `run.py` arguments that reproduce a bench run exactly (same simulated seconds)."""
+    argv = ["--engine", "sim", "--workload", run.workload, "--workload-seed", str(seed)]
+    argv += ["--sim-deployment", run.deployment, "--policy", policy_spec(run)]
+    argv += ["--control-period", f"{CONTROL_PERIOD:g}"]
+    argv += ["--pause-rule", run.rules[0], "--resume-rule", run.rules[1]]
+    if run.hicache:
+        argv += ["--hicache-ratio", f"{HICACHE_RATIO:g}"]
+    if run.pcie_gbps is not None:
+        argv += ["--hicache-gbps", f"{run.pcie_gbps:g}"]
+    if run.hicache_gb is not None:
+        argv += ["--hicache-size", f"{run.hicache_gb:g}"]
+    return argv
 
 
 def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
-    cfg = next(c for c in TABLE1 if c.key == run.config)
-    workload = synthetic(cfg.workload, seed=seed)
-    if run.policy == "wset":
-        policy = WorkingSet(**dict(run.policy_options))
-    else:
-        policy = make_policy(run.policy, **dict(run.policy_options))
-    engine_options: dict[str, Any] = dict(ENGINE_OPTIONS.get(cfg.deployment, {}))
-    if run.hicache:
-        engine_options["hicache_ratio"] = HICACHE_RATIO
-    if run.pcie_gbps is not None:
-        engine_options["pcie_bytes_per_s"] = run.pcie_gbps * 1e9
-    if run.hicache_gb is not None:
-        engine_options["hicache_size"] = run.hicache_gb
+    workload = synthetic(run.workload, seed=seed)
+    policy = make_policy(policy_spec(run))
     r = simulate(
         workload,
-        cfg.deployment,
+        run.deployment,
         policy,
         RUNS / run.name,
-        engine_options=engine_options,
+        engine_options=engine_options(run),
         label=run.system,
         control_period=CONTROL_PERIOD,
         pause_rule=run.rules[0],
@@ -248,6 +292,7 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
         seed=seed,
         work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
         work_tokens=sum(w[1] for _, w in work),
+        cli="python run.py " + shlex.join(cli_args(run, seed)),
     )
     print(
         f"  {run.name:28s} {r.sim_seconds:9.1f} sim s  hit {r.hit_rate}  "
@@ -332,7 +377,9 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
         f"`request-cap` uses N={REQUEST_CAP} (the paper does not give its N); `hicache` is "
         f"the uncontrolled engine with a host tier of {HICACHE_RATIO:g}x the device pool. "
         f"Control period {CONTROL_PERIOD:g} s. DeepSeek-V3's pool is capped at 280K tokens "
-        "(calibrated to the paper's 6.67 GB per 4,096 tokens; see bench/paper.py)."
+        "(the `deepseek-v3-tp16-paper` preset, calibrated to the paper's 6.67 GB per 4,096 "
+        "tokens). Every run's `run.py` command line, which reproduces its seconds exactly, is "
+        "its `cli` field in paper.json."
     )
     out += ["", "## Table 1: seconds to finish the batch (paper / simulated)", ""]
     out.append("| configuration | " + " | ".join(SYSTEMS) + " | aimd vs none (paper / sim) |")
@@ -363,14 +410,13 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
     )
     out.append("|---" * (len(SYSTEMS) + 3) + "|")
     for c in TABLE1:
-        opts = ENGINE_OPTIONS.get(c.deployment, {})
         workload = synthetic(c.workload, seed=seed)
-        b = lower_bound(workload, c.deployment, **opts)
-        b_host = lower_bound(workload, c.deployment, host_tier=True, **opts)
+        b = lower_bound(workload, c.deployment)
+        b_host = lower_bound(workload, c.deployment, host_tier=True)
         cells = []
         for s_ in SYSTEMS:
             r = by.get(f"{c.key}-{s_}")
-            bound = (b_host if s_ == "hicache" else b)["bound_seconds"]
+            bound = (b_host if s_.endswith("hicache") else b)["bound_seconds"]
             cells.append(_fmt(r and r["sim_seconds"] / bound, 2))
         a, w = by.get(f"{c.key}-aimd"), by.get(f"{c.key}-wset")
         vs = a["sim_seconds"] / w["sim_seconds"] if a and w else None
@@ -380,17 +426,8 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
             + " | ".join(cells)
             + f" | {_fmt(vs, 2)}x |"
         )
-    rob = [r for r in records if r["run"].startswith("qwen-tp8-wset-")]
-    base = by.get("qwen-tp8-wset")
-    if rob and base:
-        out += ["", "## wset robustness (Qwen TP8): each parameter at -50% and +100%", ""]
-        out += ["| parameter | simulated s | vs default |", "|---|---|---|"]
-        out.append(f"| defaults | {base['sim_seconds']:,.0f} | 1.00 |")
-        for r in rob:
-            out.append(
-                f"| {r['system'][5:]} | {r['sim_seconds']:,.0f} | "
-                f"{r['sim_seconds'] / base['sim_seconds']:.2f} |"
-            )
+    out += criterion_section(by, seed)
+    out += robustness_section(by)
     out += _hicache_section(by)
     out += ["", "## Prefix-cache hit rate, % (paper / simulated; device+host hits)", ""]
     out.append("| configuration | " + " | ".join(SYSTEMS) + " |")
@@ -552,6 +589,60 @@ def _hicache_section(by: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def robustness_section(by: dict[str, dict[str, Any]]) -> list[str]:
+    """wset's parameters at -50% / +100%, per Qwen row: the time against the defaults'."""
+    rows = [k for k in ROBUST_ROWS if f"{k}-wset" in by]
+    if not rows:
+        return []
+    out = ["", "## wset robustness: each parameter at -50% and +100% (time / defaults')", ""]
+    out += ["| parameter | " + " | ".join(rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    out.append(
+        "| defaults (s) | "
+        + " | ".join(f"{by[f'{k}-wset']['sim_seconds']:,.0f}" for k in rows)
+        + " |"
+    )
+    worst = 0.0
+    for param, values in ROBUSTNESS.items():
+        for v in values:
+            cells = []
+            for k in rows:
+                r = by.get(f"{k}-wset-{param}{v}")
+                x = r and r["sim_seconds"] / by[f"{k}-wset"]["sim_seconds"]
+                worst = max(worst, abs(x - 1) if x else 0.0)
+                cells.append(_fmt(x, 2))
+            out.append(f"| {param}={v} | " + " | ".join(cells) + " |")
+    out += ["", f"Largest move: {worst:.0%} (criterion: under 15% on every Qwen row)."]
+    return out
+
+
+def criterion_section(by: dict[str, dict[str, Any]], seed: int) -> list[str]:
+    """Issue 16's criterion for the candidate default, row by row."""
+    out = ["", f"## Default-policy criterion: `{CANDIDATE}` on every row", ""]
+    out.append(
+        f"PASS needs `{CANDIDATE}` within {CRITERION}x of the row's lower bound and no slower "
+        "than none, aimd or the best of agent-cap:" + "/".join(map(str, CRITERION_CAPS)) + "."
+    )
+    out += ["", "| row | bound s | candidate s | / bound | best baseline | vs it | verdict |"]
+    out.append("|---" * 7 + "|")
+    for c in TABLE1:
+        cand = by.get(f"{c.key}-{CANDIDATE}")
+        base = [by.get(f"{c.key}-{s}") for s in ("none", "aimd")]
+        base += [by.get(f"{c.key}-cap{n}") for n in CRITERION_CAPS]
+        base = [r for r in base if r]
+        if not cand or not base:
+            continue
+        b = lower_bound(synthetic(c.workload, seed=seed), c.deployment)["bound_seconds"]
+        best = min(base, key=lambda r: r["sim_seconds"])
+        ratio, vs = cand["sim_seconds"] / b, best["sim_seconds"] / cand["sim_seconds"]
+        ok = ratio <= CRITERION and vs >= 1.0
+        out.append(
+            f"| {c.title} | {b:,.0f} | {cand['sim_seconds']:,.0f} | {ratio:.2f} | "
+            f"{best['system']} {best['sim_seconds']:,.0f} | {vs:.2f}x | "
+            f"{'PASS' if ok else 'FAIL'} |"
+        )
+    return out
+
+
 def checks(records: list[dict[str, Any]]) -> list[str]:
     by = {r["run"]: r for r in records}
     out = []
@@ -579,7 +670,12 @@ def checks(records: list[dict[str, Any]]) -> list[str]:
             need = 2.0 if c.key.startswith("qwen") else 1.0
             # three decimals: a 0.2% difference must not read as a clear win
             line(x > need, f"{c.key}: aimd {x:.3f}x faster than none (claim: > {need:g}x)")
-    caps = [r for r in records if r["system"].startswith("agent-cap")]
+    caps = [
+        r
+        for r in records
+        if r["config"] == FIXED_CAPS["config"]
+        and r["system"] in {f"agent-cap:{n}" for n in FIXED_CAPS["caps"]}
+    ]
     aimd = by.get(f"{FIXED_CAPS['config']}-aimd")
     if caps and aimd:
         best = min(caps, key=lambda r: r["sim_seconds"])

@@ -4,6 +4,12 @@ Token in, token out: the chat template is applied once to the opening conversati
 that the agent's ids only ever grow by the engine's output ids and the tokenized delta of
 the next turn, so every request's prompt extends the previous one exactly and the engine's
 prefix cache can serve it. Endings are exceptions carrying a status; the loop has no flags.
+
+Two views of one conversation are kept: `messages`, structured (OpenAI form: the raw reply
+plus its parsed `tool_calls`, tool results as `tool` turns, the system prompt as the task gave
+it), and `ids`, the exact token stream, where a template without a tool role got the tools
+described in the system prompt and each result wrapped in a user turn. `spans` and
+`logprobs` say which ids the model generated.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from tools.core import Observation, Tool, ToolContext, call_schema, cap, check_a
 
 from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
 from .gate import AdmissionGate
+from .records import as_message, message, tool_call
 from .tasks import Task
 from .template import turn_delta
-from .toolcall import STOP, ParseError, parse_tool_call, tools_prompt
+from .toolcall import STOP, ParseError, ToolCall, parse_tool_call, tools_prompt
 
 DEFAULT_SYSTEM = (
     "You are an autonomous software engineering agent working in a sandboxed shell. "
@@ -90,6 +97,12 @@ class Agent:
     ids: list[int] = field(default_factory=list)
     seen: int = 0  # how many of self.ids the engine has already had (as prompt or output)
     constrain_tool_calls: bool = False  # ask the engine for exactly one well-formed call
+    prompt_len: int = 0  # len(ids) of the opening prompt
+    # per step, offsets into ids: (output start, output end = observation start, observation end)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # one per generated id while every request returned logprobs; None once one did not
+    logprobs: list[float] | None = field(default_factory=list)
+    tool_schemas: list[dict[str, Any]] = field(default_factory=list)
 
     async def run(self) -> tuple[str, str, str | None]:
         """Run to the end. -> (status, reason, final answer). Engine failures propagate."""
@@ -103,13 +116,15 @@ class Agent:
 
     def start(self) -> None:
         tok = self.engine.tokenizer
-        schemas = [schema(t) for t in self.tools.values()]
-        self.messages = [dict(m) for m in self.task.messages]
+        schemas = self.tool_schemas = [schema(t) for t in self.tools.values()]
+        self.messages = [as_message(m) for m in self.task.messages]
         if self.messages[0]["role"] != "system":
-            self.messages.insert(0, {"role": "system", "content": DEFAULT_SYSTEM})
+            self.messages.insert(0, message("system", DEFAULT_SYSTEM))
+        rendered = [{"role": m["role"], "content": m["content"]} for m in self.messages]
         if not tok.supports_tools:  # e.g. SmolLM2's ChatML: describe the tools ourselves
-            self.messages[0]["content"] += tools_prompt([s["function"] for s in schemas])
-        self.ids = tok.encode(tok.render(self.messages, schemas, add_generation_prompt=True))
+            rendered[0]["content"] += tools_prompt([s["function"] for s in schemas])
+        self.ids = tok.encode(tok.render(rendered, schemas, add_generation_prompt=True))
+        self.prompt_len = len(self.ids)
         # The loop depends on replies ending where the call closes, whatever the task asked.
         stop = tuple(dict.fromkeys((*self.sampling.stop, STOP)))
         schema_text = json.dumps(call_schema(self.tools)) if self.constrain_tool_calls else None
@@ -131,25 +146,44 @@ class Agent:
         step.prompt_tokens, step.cached_tokens = gen.prompt_tokens, gen.cached_tokens
         step.completion_tokens, step.gen_seconds = gen.completion_tokens, gen.seconds
         step.finish_reason = gen.finish_reason
-        self.ids += gen.output_ids
-        self.seen = len(self.ids)
-        self.messages.append({"role": "assistant", "content": gen.text})
+        self._append_output(gen)
 
-        obs = await self.act(gen.text, step)
+        call = self.parse(gen.text)
+        call_id, calls = None, None
+        if isinstance(call, ToolCall):
+            call_id = f"call_{n}"
+            calls = [tool_call(call_id, call.name, call.arguments)]
+        self.messages.append(message("assistant", gen.text, calls))
+        obs = await self.act(call, step)
         step.observation = cap(obs.text, OBSERVATION_RECORD_CAP)
         step.tool_ok = obs.ok
         if obs.submitted:
             raise Submitted("the agent called submit", obs.answer)
         tok = self.engine.tokenizer
         eos_text = tok.token_text(gen.output_ids[-1]) if gen.stopped_on_eos else ""
-        self.observe(obs.text, eos_text)
+        self.observe(obs.text, eos_text, call_id, step.tool)
 
-    async def act(self, reply: str, step: Step) -> Observation:
-        """Run the tool the reply calls; every failure becomes an observation."""
+    def _append_output(self, gen: Generation) -> None:
+        start = len(self.ids)
+        self.ids += gen.output_ids
+        self.seen = len(self.ids)
+        self.spans.append((start, len(self.ids), len(self.ids)))
+        lp = gen.output_logprobs
+        if self.logprobs is not None and lp is not None and len(lp) == len(gen.output_ids):
+            self.logprobs += lp
+        else:
+            self.logprobs = None
+
+    def parse(self, reply: str) -> ToolCall | ParseError:
         try:
-            call = parse_tool_call(reply, frozenset(self.tools))
+            return parse_tool_call(reply, frozenset(self.tools))
         except ParseError as e:
-            return Observation(str(e), ok=False)
+            return e
+
+    async def act(self, call: ToolCall | ParseError, step: Step) -> Observation:
+        """Run the tool the reply calls; every failure becomes an observation."""
+        if isinstance(call, ParseError):
+            return Observation(str(call), ok=False)
         step.tool, step.arguments = call.name, call.arguments
         tool = self.tools[call.name]
         problem = check_args(tool, call.arguments)
@@ -163,9 +197,12 @@ class Agent:
         finally:
             step.tool_seconds = _now() - t0
 
-    def observe(self, text: str, eos_text: str) -> None:
+    def observe(
+        self, text: str, eos_text: str, call_id: str | None = None, tool: str | None = None
+    ) -> None:
         """Append the observation turn. `eos_text`: the end-of-turn token the reply ended on
-        (already in self.ids), or "" if it ended otherwise."""
+        (already in self.ids), or "" if it ended otherwise. `call_id`, `tool`: the call this
+        answers (None when the reply held no valid call)."""
         tok = self.engine.tokenizer
         if tok.supports_tools:
             role, content = "tool", text
@@ -182,4 +219,6 @@ class Agent:
                 f"{self.engine.context_limit}"
             )
         self.ids += delta_ids
-        self.messages.append({"role": role, "content": content})
+        start, end, _ = self.spans[-1]
+        self.spans[-1] = (start, end, len(self.ids))
+        self.messages.append(message("tool", text, tool_call_id=call_id, name=tool))

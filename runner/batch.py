@@ -5,19 +5,24 @@ agent becomes one line on disk. One agent's failure is a record, never the batch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import heapq
+import itertools
+import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
 from tools.registry import DEFAULT_TOOLS, get_tools
 from tools.sandbox import (
+    AGENT_UID_BASE,
     CommandSandbox,
     Limits,
     UidLease,
@@ -29,13 +34,23 @@ from tools.sandbox import (
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
-from .engine import CacheStats, DataParallel, Engine, EngineError, Generation, SamplingParams
+from .engine import (
+    CacheStats,
+    DataParallel,
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    TokenLogprobs,
+)
 from .gate import AdmissionGate, Gate
 from .policies import Policy
 from .progress import BatchStatus, Progress
 from .ranked_gate import RankedGate
+from .records import eval_field, patch_field, rollout_record, setup_field, trajectory
+from .rewards import reward_fields, sample_seed
 from .stopping import DrainingGate
-from .store import RunFolderWriteError, RunStore
+from .store import RunFolderWriteError
 from .tasks import Task
 from .workspace import populate
 
@@ -44,11 +59,47 @@ SETUP_CONCURRENCY = 4  # workspaces prepared at once: disk and process churn, no
 # This many agents in a row failing on the engine, with no successful request in between,
 # means the engine is gone: stop the batch rather than turn every remaining task into an error.
 ENGINE_FAILURE_LIMIT = 5
+# A batch fed from a task source keeps this many agents beyond its window, set up and waiting:
+# a freed slot is taken at once instead of after a round trip to the source.
+PREFETCH = 2
+
+
+class RecordSink(Protocol):
+    """Where a batch's records go: the run folder (`RunStore`), or, in a worker of a batch
+    over many nodes, the driver that owns the run folder (runner/scaleout/)."""
+
+    @property
+    def finished(self) -> Mapping[str, dict[str, Any]]: ...
+
+    def add_trajectory(self, record: dict[str, Any]) -> None: ...
+
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """A line of another record file (rollouts.jsonl), before its trajectory's."""
+        ...
+
+    def add_error(self, record: dict[str, Any]) -> None: ...
+
+    def add_control(self, line: dict[str, Any]) -> None: ...
+
+
+class TaskSource(Protocol):
+    """Tasks handed to a batch while it runs, when its gate has room (a worker of a batch over
+    many nodes pulls them from the driver)."""
+
+    def coming(self) -> int:
+        """Tasks not handed over yet that this batch may still get (the window's bound)."""
+        ...
+
+    async def take(self, n: int, idle: bool) -> list[Task] | None:
+        """Up to `n` more tasks; [] when there are none now; None: there will be no more.
+        `idle`: the batch has no agent left, so the call may wait until there is work."""
+        ...
 
 
 @dataclass
 class BatchConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # for tasks that set none
+    max_steps_cap: int | None = None  # an explicit --max-steps: caps every task's own too
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[str, ...] = DEFAULT_TOOLS
     # name -> tool factory; None: the production tools (tools/registry.py). Simulated runs pass
@@ -68,6 +119,10 @@ class BatchConfig:
     # Commit each prepared workspace as the git base that submit diffs against (simulated
     # runs have no workspace to commit).
     git_base: bool = True
+    rollouts: bool = True  # write rollouts.jsonl (token ids, mask, logprobs) per agent
+    # Agent i runs as uid_base + i. A worker of a batch over many nodes gets a range of its
+    # own from its run, so two workers on one host never share a uid.
+    uid_base: int = AGENT_UID_BASE
 
 
 @dataclass
@@ -77,8 +132,6 @@ class Totals:
     generated: int = 0
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
-    solved: int = 0
-    evaluated: int = 0
 
 
 class EngineDead(RuntimeError):
@@ -92,29 +145,40 @@ class Batch:
         engine: Engine,
         sandbox: CommandSandbox,
         policy: Policy,
-        store: RunStore,
+        store: RecordSink,
         config: BatchConfig,
         progress: Progress | None = None,
+        source: TaskSource | None = None,
     ) -> None:
         self.tasks = tasks
         self.engine, self.sandbox, self.policy, self.store = engine, sandbox, policy, store
         self.config = config
+        self.source = source
         self.todo = [t for t in tasks if t.id not in store.finished]
         self.gate: AdmissionGate
         self.controller: Controller | MultiController
         if isinstance(engine, DataParallel) and engine.dp_size > 1:
             self.gate, self.controller = self._ranked(engine, policy, store)
         else:
-            gate = self._gate(policy, len(self.todo))
+            gate = self._gate(policy, len(self.todo) + (source.coming() if source else 0))
             self.gate = gate
             self.controller = Controller(
-                gate, policy, engine.cache_stats, config.control_period, store.control
+                gate,
+                policy,
+                engine.cache_stats,
+                config.control_period,
+                None,
+                on_line=store.add_control,
             )
+        self._room = asyncio.Event()  # source mode: an agent ended, the gate may have room
+        self._free_slots: list[int] = []  # source mode: uid offsets of ended agents
+        self._next_slot = itertools.count()
         self.totals = Totals()
         self.progress = progress
+        self._step_budget = sum(self._max_steps(t) for t in self.todo)
         self._agent_gate = DrainingGate(self.gate)  # what agents see: can stop admitting
         self._agent_tasks: dict[str, asyncio.Task[None]] = {}
-        self._uids: UidLease
+        self._uids: UidLease | None = None
         self._engine_failures = 0  # consecutive agents that failed on the engine
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         if config.workspace_root is None:
@@ -125,7 +189,7 @@ class Batch:
             self._ws_root.mkdir(parents=True)
 
     def _ranked(
-        self, engine: DataParallel, policy: Policy, store: RunStore
+        self, engine: DataParallel, policy: Policy, store: RecordSink
     ) -> tuple[RankedGate, MultiController]:
         """Data parallel: one window per rank, each agent sticks to its rank."""
         ranks = engine.dp_size
@@ -139,7 +203,9 @@ class Batch:
 
         period = self.config.control_period
         controllers = [
-            Controller(ranked.view(r), policy, stats(r), period, store.control, rank=r)
+            Controller(
+                ranked.view(r), policy, stats(r), period, None, rank=r, on_line=store.add_control
+            )
             for r in range(ranks)
         ]
         return ranked, MultiController(ranked, controllers)
@@ -150,14 +216,17 @@ class Batch:
             unit=policy.unit,
             pause_rule=self.config.pause_rule,
             resume_rule=self.config.resume_rule,
+            coming=self.source.coming if self.source else None,
         )
 
     async def run(self) -> Totals:
         for t in self.todo:
             self.gate.register(t.id)
         self._ws_root.chmod(0o755)
-        # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py)
-        self._uids = lease_uids(len(self.todo))
+        # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py);
+        # a worker of a scaled-out run has its range from its run instead (uid_base)
+        if self.config.uid_base == AGENT_UID_BASE:
+            self._uids = lease_uids(len(self.todo))
         reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
         try:
             await self._run_all()
@@ -167,7 +236,8 @@ class Batch:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
             reaper.close()
-            self._uids.close()
+            if self._uids is not None:
+                self._uids.close()
         self.controller.step()  # a last control line with the final counts
         return self.totals
 
@@ -178,6 +248,8 @@ class Batch:
             async with asyncio.TaskGroup() as agents:
                 for i, task in enumerate(self.todo):
                     self._agent_tasks[task.id] = agents.create_task(self._run_one(i, task))
+                if self.source is not None:
+                    agents.create_task(self._pull(self.source, agents))
             control.cancel()
             if ui:
                 ui.cancel()
@@ -191,6 +263,37 @@ class Batch:
             if key not in going_on:
                 self._agent_tasks[key].cancel()
         return sum(1 for k in running if k in going_on)
+
+    async def _pull(self, source: TaskSource, agents: asyncio.TaskGroup) -> None:
+        """Source mode: take tasks while the gate has room (its window, plus PREFETCH agents
+        ready to take a freed slot), until the source has no more. Agents in a tool call
+        between requests (request-unit policies) hold no claim, as in one process."""
+        while not self._agent_gate.draining:  # a signal stops the pulling too
+            c = self.gate.counts()
+            room = self.gate.window + PREFETCH - (c["active"] + c["paused"] + c["pending"])
+            if room > 0:
+                tasks = await source.take(room, idle=c["unfinished"] == 0)
+                if tasks is None:
+                    return
+                for task in tasks:
+                    self.todo.append(task)
+                    self.gate.register(task.id)  # in arrival order, which is task order
+                    self._agent_tasks[task.id] = agents.create_task(self._run_sourced(task))
+                if tasks:
+                    continue
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):  # the window may grow at each period
+                await asyncio.wait_for(self._room.wait(), self.config.control_period)
+
+    async def _run_sourced(self, task: Task) -> None:
+        """One agent of a sourced batch: its uid offset is the lowest free one, so uids stay
+        within the worker's range however many tasks it runs."""
+        slot = heapq.heappop(self._free_slots) if self._free_slots else next(self._next_slot)
+        try:
+            await self._run_one(slot, task)
+        finally:
+            heapq.heappush(self._free_slots, slot)
+            self._room.set()
 
     def status(self) -> BatchStatus:
         """Where the batch stands (for the progress display)."""
@@ -209,22 +312,36 @@ class Batch:
             hit=t.cached / t.prompt if t.prompt else None,
             u=last.get("u"),
             h=last.get("h"),
+            step_budget=self._step_budget,
+        )
+
+    def _new_record(self, task: Task, sampling: SamplingParams) -> dict[str, Any]:
+        """A trajectory record with every key (runner/records.py), as far as known now."""
+        return trajectory(
+            task_id=task.id,
+            task=task.dataset_id or task.id,
+            sample=task.sample,
+            seed=sampling.seed,
+            engine=self.engine.name,
+            model=self.engine.model,
         )
 
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
         t0 = asyncio.get_running_loop().time()
-        uid = self._uids.uid(index)
+        uid = self._uids.uid(index) if self._uids else self.config.uid_base + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
-        record: dict[str, Any] = {"task_id": task.id}
+        sampling = self._sampling(task)
+        record = self._new_record(task, sampling)
+        record["metadata"] = json.dumps(task.metadata, ensure_ascii=False, default=str)
         agent: Agent | None = None
         try:
             names = tuple(task.tools) if task.tools else self.config.tools
             tools = get_tools(names, self.config.tool_registry)
             async with self._setup_sem:
                 setup = await self._prepare(task, ctx)
-            record["setup"] = setup
+            record["setup"] = setup_field(setup)
             if setup and setup.get("failed"):
                 raise _SetupFailed(setup["failed"])
             agent = Agent(
@@ -234,8 +351,8 @@ class Batch:
                 gate=self._agent_gate,
                 tools=tools,
                 tool_ctx=ctx,
-                sampling=_sampling_for(self.config.sampling, task),
-                max_steps=task.max_steps or self.config.max_steps,
+                sampling=sampling,
+                max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
@@ -267,14 +384,26 @@ class Batch:
             raise  # a run folder that cannot be written stops the batch (not one agent)
         except Exception as e:  # recording must never end the batch: keep a minimal record
             log.exception("could not record agent %s in full", task.id)
-            self.store.add_trajectory(
-                {
-                    "task_id": task.id,
-                    "status": "error",
-                    "reason": f"recording failed: {type(e).__name__}: {e} (agent: {status})",
-                }
-            )
-            self._count({"status": "error"})
+            minimal = self._new_record(task, sampling)
+            minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
+            self.store.add_trajectory(minimal)
+            self._count(minimal)
+
+    def _sampling(self, task: Task) -> SamplingParams:
+        """The run's sampling with the task's overrides, the seed of this sample, and
+        logprobs where rollouts are written and the engine gives them."""
+        sp = _sampling_for(self.config.sampling, task)
+        logprobs = (
+            self.config.rollouts
+            and isinstance(self.engine, TokenLogprobs)
+            and self.engine.gives_logprobs
+        )
+        return dataclasses.replace(sp, seed=sample_seed(sp.seed, task.sample), logprobs=logprobs)
+
+    def _max_steps(self, task: Task) -> int:
+        steps = task.max_steps or self.config.max_steps
+        cap = self.config.max_steps_cap
+        return steps if cap is None else min(steps, cap)
 
     async def _finish_record(
         self,
@@ -289,25 +418,32 @@ class Batch:
     ) -> None:
         if status == "error":
             self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
-        record.update(
-            status=status,
-            reason=reason,
-            answer=answer,
-            eval=await self._evaluate(task, ctx) if agent is not None else None,
-        )
-        if "patch" in ctx.state:  # captured by submit in a git workspace
-            record["patch"] = ctx.state["patch"]
+        ev = eval_field(await self._evaluate(task, ctx) if agent is not None else None)
+        record.update(status=status, reason=reason, answer=answer, eval=ev)
+        if agent is not None:
+            timeout = self.config.eval_timeout
+            record.update(await reward_fields(self.sandbox, task, ctx, ev, timeout))
+        record["patch"] = patch_field(ctx.state.get("patch"))  # submit in a git workspace
         if agent is not None:
             record.update(self._agent_fields(agent))
         record["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
+        rollout = None
+        if agent is not None and agent.ids and self.config.rollouts:
+            rollout = rollout_record(
+                record, agent.ids, agent.prompt_len, agent.spans, agent.logprobs
+            )
         # The workspace is put away BEFORE the record says the task is done: a kill in
         # between re-runs the task rather than losing a kept workspace.
         try:
             self._dispose(ctx.workspace)
         except OSError as e:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
+        if rollout is not None:  # before the trajectory line, which marks the agent done
+            self.store.add_record("rollouts.jsonl", rollout)
         self.store.add_trajectory(record)
         self._count(record)
+        # the budget it left unused is no longer ahead of the batch (the progress ETA)
+        self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 
     def _dispose(self, ws: Path) -> None:
         if not ws.exists():  # never created (the task failed before its workspace)
@@ -367,26 +503,26 @@ class Batch:
         steps = [asdict(s) for s in agent.steps]
         for s in steps:
             for k in ("gen_seconds", "tool_seconds", "wait_seconds"):
-                s[k] = round(s[k], 4)
+                s[k] = round(float(s[k]), 4)
+            if s["arguments"] is not None:  # JSON text: one type whatever the tool
+                s["arguments"] = json.dumps(s["arguments"], ensure_ascii=False)
         return {
             "steps": len(agent.steps),
             "messages": agent.messages,
+            "tools": json.dumps(agent.tool_schemas, ensure_ascii=False),
             "step_log": steps,
             "context_tokens": len(agent.ids),
             "prompt_tokens": sum(s.prompt_tokens for s in agent.steps),
             "cached_tokens": sum(s.cached_tokens for s in agent.steps),
             "completion_tokens": sum(s.completion_tokens for s in agent.steps),
-            "gen_seconds": round(sum(s.gen_seconds for s in agent.steps), 3),
-            "tool_seconds": round(sum(s.tool_seconds for s in agent.steps), 3),
-            "wait_seconds": round(sum(s.wait_seconds for s in agent.steps), 3),
+            "gen_seconds": round(float(sum(s.gen_seconds for s in agent.steps)), 3),
+            "tool_seconds": round(float(sum(s.tool_seconds for s in agent.steps)), 3),
+            "wait_seconds": round(float(sum(s.wait_seconds for s in agent.steps)), 3),
         }
 
     def _count(self, rec: dict[str, Any]) -> None:
         t = self.totals
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
-        if rec.get("eval"):
-            t.evaluated += 1
-            t.solved += bool(rec["eval"]["solved"])
 
 
 def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:

@@ -58,6 +58,7 @@ class Controller:
         log_path: Path | None,
         clock: Callable[[], float] | None = None,
         rank: int | None = None,
+        on_line: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if period <= 0:
             raise ValueError(f"--control-period must be > 0 seconds, got {period!r}")
@@ -66,6 +67,7 @@ class Controller:
         self.read_signals = read_signals
         self.period = period
         self.log_path = log_path
+        self.on_line = on_line  # also handed each control line (the run folder's writer)
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self.rank = rank  # the data-parallel rank this controller steers, if any
         self._tally = PeriodTally()
@@ -107,6 +109,8 @@ class Controller:
             finished=c["finished"],
             unfinished=c["unfinished"],
             capacity_tokens=cache.capacity_tokens,
+            host_capacity_tokens=cache.host_capacity_tokens,
+            host_reload_cost=cache.host_reload_cost,
             held_contexts=held,
             waiting_contexts=waiting,
             growth_per_step=self.gate.growth_per_step(),
@@ -141,6 +145,8 @@ class Controller:
         if self.log_path is not None:
             with self.log_path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
+        if self.on_line is not None:
+            self.on_line(line)
         return line
 
     async def run(self) -> None:

@@ -13,6 +13,7 @@ concrete class. An engine gains a capability by implementing its members.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -61,6 +62,10 @@ class CacheStats:
     capacity_tokens: int | None = None
     used_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A host-memory KV tier (HiCache): its size, and what reloading one token from it costs
+    # relative to recomputing it (below 1: cheaper). None where there is none or it is unknown.
+    host_capacity_tokens: int | None = None
+    host_reload_cost: float | None = None
 
 
 class EngineError(RuntimeError):
@@ -179,3 +184,12 @@ class EngineStats(Protocol):
     summary.json under engine.stats."""
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class TaskScripted(Protocol):
+    """The engine's replies come from the tasks themselves (replay). An engine built before
+    its tasks are known (a worker of a batch over many nodes) is told of each task that
+    arrives, before its agent starts."""
+
+    def add_tasks(self, tasks: Sequence[Any]) -> None: ...

@@ -131,6 +131,7 @@ class Gate:
         pause_rule: str = "newest",
         resume_rule: str = "oldest",
         clock: Callable[[], float] | None = None,
+        coming: Callable[[], int] | None = None,
     ) -> None:
         if pause_rule not in PAUSE_RULES:
             raise ValueError(
@@ -144,6 +145,8 @@ class Gate:
         self.pause_rule = pause_rule
         self.resume_rule = resume_rule
         self._clock_fn = clock or (lambda: asyncio.get_running_loop().time())
+        # agents not registered yet that may still come (a batch fed from a task source)
+        self._coming = coming or (lambda: 0)
         self._last_now = 0.0
         self._agents: dict[str, _Agent] = {}
         self._n: Counter[str] = Counter()  # agents per state
@@ -234,11 +237,13 @@ class Gate:
         return self._window
 
     def resize(self, window: int, bound: int | None = None) -> int:
-        """Set W, clamped to [1, unfinished agents] (or to `bound`, when agents this gate has
-        not seen yet may still come: see ranked_gate.py); mark the excess paused (they stop at
-        their next boundary) or let waiters in. Returns the window actually set."""
-        unfinished = len(self._agents) - self._n["done"] if bound is None else bound
-        self._window = max(1, min(window, max(1, unfinished)))
+        """Set W, clamped to [1, unfinished agents, with those still `coming`] (or to `bound`,
+        when agents this gate has not seen yet may still come: see ranked_gate.py); mark the
+        excess paused (they stop at their next boundary) or let waiters in. Returns the window
+        actually set."""
+        if bound is None:
+            bound = len(self._agents) - self._n["done"] + self._coming()
+        self._window = max(1, min(window, max(1, bound)))
         excess = len(self._active) - self._window
         if excess > 0:
             for a in self._pause_order(list(self._active.values()))[:excess]:

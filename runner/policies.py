@@ -8,7 +8,9 @@ registering it; the gate and the agent loop do not change.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import types
 import typing
@@ -38,6 +40,8 @@ class Signals:
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
     shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
+    host_capacity_tokens: int | None = None  # a host-memory KV tier (HiCache), tokens
+    host_reload_cost: float | None = None  # reloading a token / recomputing it
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,10 @@ class WorkingSet:
     the engine had seen but no longer cached) exceeds `max_recompute`, the capacity estimate
     is too optimistic: the window is cut by `beta` below the fit.
 
+    With a host KV tier (HiCache) whose reloads are cheaper than recomputes, the host tier
+    beyond the device's own copies counts as capacity too (`use_host`): paused or evicted
+    agents come back for a PCIe copy, so the working set may exceed the device.
+
     Without a capacity signal (an engine that cannot tell), it behaves as AIMD and says so
     in its branch ("aimd-fallback:...").
     """
@@ -185,6 +193,7 @@ class WorkingSet:
     headroom_steps: float = 1.0
     max_recompute: float = 0.3
     beta: float = 0.5
+    use_host: bool = True  # count a host KV tier the engine reports (see _capacity)
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset"
@@ -210,22 +219,53 @@ class WorkingSet:
             return Decision(d.window, f"aimd-fallback:{d.branch}")
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
-        budget = self.target * s.capacity_tokens - shared  # the shared prefix, stored once
-        fit = 0
-        for ctx in (*s.held_contexts, *s.waiting_contexts):
-            budget -= max(0, ctx - shared) + growth
-            if budget < 0:
-                break
-            fit += 1
-        fit = max(1, fit)
+        budget = self.target * self._capacity(s) - shared  # the shared prefix, stored once
+        fit = max(1, _fit(s.held_contexts, s.waiting_contexts, shared, growth, budget))
         if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
             return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
         return Decision(fit, "fit")
+
+    def _capacity(self, s: Signals) -> float:
+        """The device pool, plus the host tier where the engine has one and reloading from
+        it is cheaper than recomputing (an agent whose KV went to host comes back for a PCIe
+        copy instead of a prefill): the part of it beyond the device's own copies, since
+        write-through keeps a host copy of what the device holds."""
+        device = float(s.capacity_tokens or 0)
+        if not self.use_host or not s.host_capacity_tokens or s.host_reload_cost is None:
+            return device
+        extra = max(0.0, s.host_capacity_tokens - device)
+        return device + (extra if s.host_reload_cost < 1.0 else 0.0)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("fallback")
         return d
+
+
+def _fit(
+    held: tuple[int, ...], waiting: tuple[int, ...], shared: int, growth: float, budget: float
+) -> int:
+    """How many agents, in order, fit `budget` with `max(0, ctx - shared) + growth` each.
+
+    The running sums are taken in C (itertools.accumulate) and the count found by bisection:
+    O(n) C work and O(log n) Python steps a period (bench/gate_bench.py measures it). Every
+    term is >= 0, so the sums are monotone. A context below the shared prefix (where the
+    clamp matters) takes the plain loop."""
+    ctxs = held + waiting
+    if not ctxs or budget < 0:
+        return 0
+    if min(ctxs) < shared:
+        fit = 0
+        for ctx in ctxs:
+            budget -= max(0, ctx - shared) + growth
+            if budget < 0:
+                break
+            fit += 1
+        return fit
+    sums = list(itertools.accumulate(ctxs))
+    per = growth - shared  # each agent's term is ctx - shared + growth
+    # the number of prefixes (of 1, 2, ... agents) whose total is within the budget
+    return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
 
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy

@@ -27,6 +27,7 @@ class BatchStatus:
     hit: float | None  # cached / prompt tokens so far
     u: float | None  # the latest control period's signals
     h: float | None
+    step_budget: int = 0  # the steps this session's agents may take at most, all together
 
 
 def render(s: BatchStatus, elapsed: float) -> str:
@@ -34,14 +35,23 @@ def render(s: BatchStatus, elapsed: float) -> str:
         return "-" if v is None else f"{100 * v:.0f}%"
 
     rate = s.generated_tokens / elapsed if elapsed > 0 else 0.0
-    eta = f"{elapsed / s.done * (s.total - s.done):.0f}s" if s.done else "-"
     return (
         f"agents {s.done}/{s.total} | W {s.window} active {s.active} "
         f"paused {s.paused} pending {s.pending} | "
         f"steps {s.steps} | "
         f"{rate:.1f} tok/s | hit {pct(s.hit)} | U {pct(s.u)} H {pct(s.h)} | "
-        f"{elapsed:.0f}s, ETA {eta}"
+        f"{elapsed:.0f}s, ETA {eta(s, elapsed)}"
     )
+
+
+def eta(s: BatchStatus, elapsed: float) -> str:
+    """From steps done against the step budget, so there is one long before the first agent
+    ends; an upper bound (agents that submit early leave budget unused), which falls as they
+    finish. Without a budget, from agents finished."""
+    if s.step_budget and s.steps:
+        left = max(0, s.step_budget - s.steps)
+        return f"<={elapsed / s.steps * left:.0f}s"
+    return f"{elapsed / s.done * (s.total - s.done):.0f}s" if s.done else "-"
 
 
 class Progress:

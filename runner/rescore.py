@@ -20,6 +20,7 @@ from typing import Any
 from tools.sandbox import CommandSandbox, lease_uids, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
+from .records import eval_field, eval_reward
 from .store import RunStore, write_json_atomic
 from .summary import record_totals
 from .tasks import Task
@@ -77,7 +78,12 @@ def rescore(
             summary = json.loads(store.summary.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             summary = {}
-    summary.update(solved=totals["solved"], evaluated=totals["evaluated"], eval_only=section)
+    summary.update(
+        solved=totals["solved"],
+        evaluated=totals["evaluated"],
+        pass_at_k=totals["pass_at_k"],
+        eval_only=section,
+    )
     write_json_atomic(store.summary, summary)
     return {**section, "solved": summary["solved"], "evaluated": summary["evaluated"]}
 
@@ -126,14 +132,30 @@ async def _run_all(
 
 
 def _rewrite(store: RunStore, results: dict[str, dict[str, Any] | None]) -> None:
-    """Replace the `eval` of the re-scored records (one durable rewrite of the file)."""
+    """Replace the `eval` of the re-scored records, and the reward where it comes from the
+    eval (a reward command is not run again), in trajectories.jsonl and rollouts.jsonl."""
     if not results:
         return
     now = time.time()
+    changed: dict[str, dict[str, Any]] = {}
 
     def rescored(rec: dict[str, Any]) -> dict[str, Any]:
         if rec["task_id"] not in results:
             return rec
-        return {**rec, "eval": results[rec["task_id"]], "rescored_at": now}
+        ev = eval_field(results[rec["task_id"]])
+        new = {**rec, "eval": ev, "rescored_at": now}
+        if rec.get("reward_source") != "command":
+            reward = eval_reward(ev)
+            new.update(reward=reward, reward_source=None if reward is None else "eval")
+        changed[rec["task_id"]] = new
+        return new
 
     store.rewrite_trajectories(rescored)
+
+    def rollout(rec: dict[str, Any]) -> dict[str, Any]:
+        new = changed.get(rec.get("task_id", ""))
+        if new is None:
+            return rec
+        return {**rec, "reward": new["reward"], "solved": new["eval"]["solved"]}
+
+    store.rewrite_rollouts(rollout)

@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .batch import Batch, EngineDead
 from .engine import Engine
 from .stopping import DEFAULT_GRACE_SECONDS, SignalStop
-from .store import RunFolderWriteError
+from .store import RunFolderWriteError, RunStore
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -99,15 +100,30 @@ def execute(
         )
         if stop is not None and stop.received is not None:
             summary["stopped_by"] = stop.received.name
-        _write_summary(batch, summary)
+        store = batch.store
+        assert isinstance(store, RunStore), "a session's batch writes to a run folder"
+        if _write_summary(store, summary):
+            plot_timeline(store.root)
     return Outcome(summary, code)
 
 
-def _write_summary(batch: Batch, summary: dict[str, Any]) -> None:
+def _write_summary(store: RunStore, summary: dict[str, Any]) -> bool:
     try:
-        batch.store.write_summary(summary)
+        store.write_summary(summary)
+        return True
     except RunFolderWriteError as e:  # the records are the truth; the summary is a view
         log.error("%s: no summary.json this time (the next run writes it)", e)
+        return False
+
+
+def plot_timeline(root: Path) -> None:
+    """timeline.png beside the summary; a plot that fails is logged, never the run's end."""
+    from .report.timeline import write_timeline  # matplotlib only once a batch ends
+
+    try:
+        write_timeline(root)
+    except Exception as e:
+        log.warning("could not draw %s: %s: %s", root / "timeline.png", type(e).__name__, e)
 
 
 async def _run(batch: Batch, engine: Engine, stop: SignalStop | None) -> float:

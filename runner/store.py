@@ -5,6 +5,11 @@
   cut off (and kept in trajectories.jsonl.torn for inspection). Resume skips the task ids
   found. Rewriting it (retried errors, re-scored evals) goes through `rewrite_trajectories`
   only: a new file, fsync'd, renamed over the old one.
+- rollouts.jsonl: the token-level record of each finished agent (runner/records.py), written
+  the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
+  done), so a kill can leave rollout lines without a trajectory only at the end of the file
+  (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
+  renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 """
@@ -18,11 +23,11 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # runner/records.py: FORMAT
 log = logging.getLogger("concur")
 
 
@@ -57,11 +62,16 @@ def _write_error(path: Path, e: OSError) -> RunFolderWriteError:
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
-    """One line, written whole and fsync'd before this returns; on failure the file is cut
-    back to where it was, so a line is either all there (and synced) or not at all."""
-    # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
-    # reads back unchanged, instead of an encoding error that would lose the record
-    line = _dumps(record).encode("utf-8", "backslashreplace")
+    """One line, written whole and fsync'd before this returns."""
+    _append_many(path, [record])
+
+
+def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append lines, each with one write(), then one fsync for all of them (a driver writing
+    a worker's report: one sync per report, not per line). On failure the file is cut back
+    to where it was: the lines are either all there (and synced) or none is."""
+    if not records:
+        return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as e:
@@ -69,9 +79,13 @@ def _append(path: Path, record: dict[str, Any]) -> None:
     try:
         size = os.fstat(fd).st_size  # one writer per run folder (the lock): stays valid
         try:
-            written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
-            while written < len(line):  # a short write (disk nearly full): finish the line
-                written += os.write(fd, line[written:])
+            for record in records:
+                # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON
+                # escape that reads back unchanged, instead of an error losing the record
+                line = _dumps(record).encode("utf-8", "backslashreplace")
+                written = os.write(fd, line)  # one write per line: O_APPEND keeps it whole
+                while written < len(line):  # a short write (disk nearly full): finish it
+                    written += os.write(fd, line[written:])
             os.fsync(fd)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -83,7 +97,8 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 def _replace_durably(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
-    folder: a crash leaves the old file or the new one, never a mix or an empty one."""
+    folder: a crash leaves the old file or the new one, never a mix or an empty one; a failed
+    write (disk full) leaves the old file and no temp file."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with tmp.open("w", encoding="utf-8") as f:
@@ -91,15 +106,39 @@ def _replace_durably(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(path.parent)
     except OSError as e:
         with contextlib.suppress(OSError):
-            tmp.unlink()  # no empty or partial temp file left
+            tmp.unlink()
         raise _write_error(path, e) from None
+
+
+def _lines_backwards(f: Any, end: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of a file's lines from the last one back; the
+    file ends with a newline (repaired)."""
+    pos, buf = end, b""
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+        # every complete line in buf except the first (which may start before pos)
+        while True:
+            cut = buf.rfind(b"\n", 0, len(buf) - 1)
+            if cut < 0:
+                break
+            yield pos + cut + 1, buf[cut + 1 : -1]
+            buf = buf[: cut + 1]
+    if buf:
+        yield 0, buf[:-1]
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -141,10 +180,40 @@ class RunStore:
         self.summary = root / "summary.json"
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
-        self.repaired_bytes = _repair(self.trajectories) + _repair(self.errors)
+        self.rollouts = root / "rollouts.jsonl"
+        self.repaired_bytes = (
+            _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
+        )
         self.finished: dict[str, dict[str, Any]] = {}
         self._known_errors: set[str] | None = None  # errors.jsonl's records, read when needed
         self._load()
+        self.repaired_bytes += self._cut_orphan_rollout()
+
+    def _cut_orphan_rollout(self) -> int:
+        """A kill between rollout lines and their trajectory lines (one agent's, or a batch
+        of them from a driver of many nodes) leaves those rollouts last in the file, for
+        agents that are not finished (they run again): cut them, back to the last rollout
+        of a finished agent."""
+        if not self.rollouts.exists():
+            return 0
+        with self.rollouts.open("rb+") as f:
+            end = keep = f.seek(0, os.SEEK_END)
+            orphans: list[bytes] = []
+            for start, line in _lines_backwards(f, end):
+                try:
+                    tid = json.loads(line)["task_id"]
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                    break  # not ours to judge: stop here
+                if tid in self.finished:
+                    break
+                orphans.append(line)
+                keep = start
+            if keep == end:
+                return 0
+            with self.rollouts.with_name(self.rollouts.name + ".torn").open("ab") as t:
+                t.write(b"".join(line + b"\n" for line in reversed(orphans)))
+            f.truncate(keep)
+            return end - keep
 
     def _load(self) -> None:
         if not self.trajectories.exists():
@@ -172,7 +241,29 @@ class RunStore:
             return None
 
         self.rewrite_trajectories(drop)
+        self.rewrite_rollouts(lambda rec: None if rec.get("task_id") in retry else rec)
         return sorted(retry)
+
+    def rewrite_rollouts(self, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+        """Rewrite rollouts.jsonl durably, streaming (the file can be large), with `change`
+        applied to every record (None: drop it)."""
+        if not self.rollouts.exists():
+            return
+        tmp = self.rollouts.with_name(self.rollouts.name + ".tmp")
+        with self.rollouts.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
+            for line in src:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    dst.write(line)
+                    continue
+                new = change(rec)
+                if new is not None:
+                    dst.write(line if new is rec else _dumps(new))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.rollouts)
+        _fsync_dir(self.rollouts.parent)
 
     def rewrite_trajectories(
         self, change: Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -198,24 +289,35 @@ class RunStore:
                 self.finished[tid] = new
         _replace_durably(self.trajectories, "".join(out))
 
-    def bind_source(self, source: str, sha256: str | None = None) -> None:
+    def bind_source(
+        self, source: str, record: dict[str, Any] | None = None, sha256: str | None = None
+    ) -> dict[str, Any]:
         """Record which dataset this run folder belongs to; refuse another one (task ids
         like "0", "1" would otherwise be taken as finished). A local dataset is its resolved
         path or its content (`sha256`): the same file typed another way, or moved, is the same
-        dataset; an edited one at the same path too (a fixed record runs), with a warning."""
+        dataset; an edited one at the same path too (a fixed record runs), with a warning.
+        The first run also writes its `record` (config, versions, ...) into run.json, which
+        is otherwise only updated for the dataset's path and hash. Returns run.json's content."""
         meta = self.root / "run.json"
-        known: dict[str, Any] = {}
         if meta.exists():
             try:
                 known = json.loads(meta.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
-                known = {}
-        if not isinstance(known, dict) or known.get("source") is None:
-            write_json_atomic(meta, {"format": FORMAT_VERSION, "source": source, "sha256": sha256})
-            return
+                known = None
+            if not isinstance(known, dict):
+                return {}
+            if known.get("source") is not None:
+                return self._same_source(meta, known, source, sha256)
+            return known
+        first = {"format": FORMAT_VERSION, "source": source, "sha256": sha256, **(record or {})}
+        write_json_atomic(meta, first)
+        return first
+
+    def _same_source(
+        self, meta: Path, known: dict[str, Any], source: str, sha256: str | None
+    ) -> dict[str, Any]:
         same_path = _same_path(known["source"], source)
-        same_content = sha256 is not None and known.get("sha256") == sha256
-        if not (same_path or same_content):
+        if not (same_path or (sha256 is not None and known.get("sha256") == sha256)):
             raise RunFolderBusy(
                 f"{self.root} holds a run of {known['source']}, not of {source}: pass another --out"
             )
@@ -226,7 +328,14 @@ class RunStore:
                 source,
             )
         if (known["source"], known.get("sha256")) != (source, sha256):
-            write_json_atomic(meta, {**known, "source": source, "sha256": sha256})
+            known = {**known, "source": source, "sha256": sha256}
+            write_json_atomic(meta, known)
+        return known
+
+    def add_record(self, name: str, record: dict[str, Any]) -> None:
+        """One line of another record file of this folder (rollouts.jsonl), written before
+        its agent's trajectory line."""
+        self.append_records(name, [record])
 
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}
@@ -256,6 +365,25 @@ class RunStore:
         self._known_errors.add(key)
         self.add_error(record)
         return True
+
+    def add_control(self, line: dict[str, Any]) -> None:
+        """One control period's line (not fsync'd: a lost last period loses no work)."""
+        with self.control.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def add_trajectories(self, records: list[dict[str, Any]]) -> None:
+        """Several finished agents, synced once; each counts as finished only after."""
+        records = [{"format": FORMAT_VERSION, **r} for r in records]
+        _append_many(self.trajectories, records)
+        for r in records:
+            self.finished[r["task_id"]] = r
+
+    def append_records(self, name: str, records: list[dict[str, Any]]) -> None:
+        """Lines of another record file of this folder (`name`: a plain *.jsonl file name),
+        each written whole, synced once."""
+        if "/" in name or not name.endswith(".jsonl") or name.startswith("."):
+            raise ValueError(f"not a record file name of a run folder: {name!r}")
+        _append_many(self.root / name, records)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

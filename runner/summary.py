@@ -9,10 +9,12 @@ engine, the simulator included, writes this one schema; engine-specific counters
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .engine import Engine, EngineStats
+from .records import evaluated
+from .rewards import pass_at_k
 
 if TYPE_CHECKING:  # annotations only: the batch imports nothing of this module
     from .batch import Batch
@@ -26,7 +28,7 @@ def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         by_status[r["status"]] = by_status.get(r["status"], 0) + 1
     prompt = sum(r.get("prompt_tokens", 0) for r in recs)
     cached = sum(r.get("cached_tokens", 0) for r in recs)
-    evals = [r["eval"] for r in recs if r.get("eval")]
+    evals = [r["eval"] for r in recs if evaluated(r)]
     return {
         "finished": len(recs),
         "agents_by_status": by_status,
@@ -37,6 +39,26 @@ def record_totals(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "cached_tokens": cached,
         "generated_tokens": sum(r.get("completion_tokens", 0) for r in recs),
         "hit_rate": round(cached / prompt, 4) if prompt else None,
+        "pass_at_k": pass_at_k(recs),  # None without eval
+    }
+
+
+def batch_totals(
+    finished: Mapping[str, dict[str, Any]],
+    task_ids: list[str],
+    invalid_records: int,
+    interrupted: bool,
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The head of every summary: the selected tasks' totals over the finished records."""
+    totals = record_totals(finished[t] for t in task_ids if t in finished)
+    return {
+        "tasks": len(task_ids),
+        "invalid_records": invalid_records,
+        **totals,
+        "unfinished": len(task_ids) - totals["finished"],
+        "interrupted": interrupted,
+        "wall_seconds": round(wall_seconds, 3),
     }
 
 
@@ -54,21 +76,25 @@ def build_summary(
     config: dict[str, Any],
 ) -> dict[str, Any]:
     """The summary of a batch over the selected tasks (`task_ids`)."""
-    finished = batch.store.finished
-    totals = record_totals(finished[t] for t in task_ids if t in finished)
-    session = batch.totals
     return {
-        "tasks": len(task_ids),
-        "invalid_records": invalid_records,
-        **totals,
-        "unfinished": len(task_ids) - totals["finished"],
-        "interrupted": interrupted,
-        "wall_seconds": round(wall_seconds, 3),
+        **batch_totals(batch.store.finished, task_ids, invalid_records, interrupted, wall_seconds),
         # loop time of this session's batch: wall-clock, or simulated seconds on virtual time
         "batch_seconds": round(batch_seconds, 3),
         "clock": "virtual" if virtual_time else "wall",
+        **session_parts(batch, engine, why),
+        "config": config,
+        "host": {"python": platform.python_version(), "machine": platform.machine()},
+    }
+
+
+def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
+    """What one batch process reports of its session: its totals, engine, gate and sandbox
+    (a worker of a batch over many nodes sends these to the driver)."""
+    session = batch.totals
+    return {
         "this_session": {
             "agents_run": sum(session.by_status.values()),
+            "agents_by_status": dict(session.by_status),
             "requests": session.requests,
             "prompt_tokens": session.prompt,
             "cached_tokens": session.cached,
@@ -84,6 +110,4 @@ def build_summary(
         },
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
-        "config": config,
-        "host": {"python": platform.python_version(), "machine": platform.machine()},
     }

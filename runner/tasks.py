@@ -10,7 +10,7 @@ import io
 import json
 import sys
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ KNOWN_FIELDS = {
     "replay",
     "sampling",
     "workspace",
+    "reward",
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 SAMPLING_FIELDS = {"temperature", "top_p", "max_new_tokens", "stop", "seed"}
@@ -53,6 +54,10 @@ class Task:
     raw: dict[str, Any] = field(default_factory=dict)
     workspace: str | None = None  # absolute path of a directory or archive to start from
     sampling: dict[str, Any] = field(default_factory=dict)  # overrides of the run's sampling
+    reward: str | None = None  # command whose last output line is the reward (a float)
+    # --samples N: this agent is sample `sample` of dataset task `dataset_id` (None: `id`)
+    sample: int = 0
+    dataset_id: str | None = None
 
 
 @dataclass
@@ -303,7 +308,14 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     ev = rec.get("eval")
     if ev is not None and not isinstance(ev, str):
         raise ValueError('"eval" must be a command string')
-    for name, cmd in [*(("setup", c) for c in setup), ("eval", ev or "")]:
+    reward = rec.get("reward")
+    if reward is not None and not (isinstance(reward, str) and reward.strip()):
+        raise ValueError('"reward" must be a command string (its last output line a float)')
+    for name, cmd in [
+        *(("setup", c) for c in setup),
+        ("eval", ev or ""),
+        ("reward", reward or ""),
+    ]:
         if "\0" in cmd:
             raise ValueError(f'"{name}" command contains a NUL character')
     meta = rec.get("metadata") or {}
@@ -340,7 +352,9 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         )
         if not ok:
             raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
-    return Task(tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling)
+    return Task(
+        tid, messages, max_steps, files, setup, ev, meta, tools, rec, workspace, sampling, reward
+    )
 
 
 def _workspace_source(value: Any, base: Path | None) -> str | None:
@@ -430,3 +444,13 @@ def load_tasks(
         listing = ", ".join(f"{k!r} ({n} records)" for k, n in sorted(unknown_fields.items()))
         errors.append(RecordError(location, 0, None, f"unknown task fields ignored: {listing}"))
     return tasks, errors, location
+
+
+def expand_samples(tasks: list[Task], n: int) -> list[Task]:
+    """--samples N: N independent agents per task, ids `<task>#<k>` (N = 1: the tasks as
+    they are, so a run folder of single samples keeps its ids)."""
+    if n == 1:
+        return tasks
+    return [
+        replace(t, id=f"{t.id}#{k}", sample=k, dataset_id=t.id) for t in tasks for k in range(n)
+    ]

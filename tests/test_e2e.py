@@ -124,7 +124,8 @@ def test_sigkill_then_resume_finishes_each_task_once(tmp_path, needs_bwrap):
     # simulate the worst case of a kill during a write: a torn last line
     with traj.open("a") as f:
         f.write('{"task_id": "swe-00')
-    p = run_cli("--tasks", str(tasks), "--out", str(out), *FAST)
+    # resumed with its own options (other result-changing options are refused)
+    p = run_cli("--tasks", str(tasks), "--out", str(out), "--policy", "agent-cap:2", *FAST)
     assert "torn" in p.stderr
     lines = traj.read_text().splitlines()
     ids = [json.loads(line)["task_id"] for line in lines]  # every line parses

@@ -73,3 +73,30 @@ def test_a_slow_host_tier_never_raises_the_bound_above_recompute():
     fast = lower_bound(w, "tiny-cpu", host_tier=True, pcie_bytes_per_s=1e15, **opts)
     assert slow["memory_bound_seconds"] == plain["memory_bound_seconds"]
     assert fast["memory_bound_seconds"] < plain["memory_bound_seconds"]
+
+
+def test_decode_floor_grows_with_the_iterations_and_matches_one_iteration_by_hand():
+    from runner.sim.engine import CostModel
+    from runner.sim.engine import deployment as dep
+    from runner.sim.oracle import _decode_floor
+
+    cost = CostModel(dep("qwen3-32b-tp8"))
+    # one iteration of 4 tokens over 4,000 context tokens: the cost model's own figure
+    assert _decode_floor(cost, 1, 4, 4000) == pytest.approx(cost.decode(4, 4000))
+    # more iterations for the same tokens cost more (weights, launches, latencies again)
+    assert _decode_floor(cost, 10, 40, 40_000) > _decode_floor(cost, 5, 40, 40_000)
+    # ten equal iterations: exactly ten times one of them
+    assert _decode_floor(cost, 10, 40, 40_000) == pytest.approx(10 * cost.decode(4, 4000))
+
+
+@pytest.mark.parametrize("policy", ["none", "aimd", "wset", "agent-cap:3"])
+def test_pool_limited_decode_binds_and_stays_below_simulated_runs(tmp_path, policy):
+    # a pool that holds few contexts: decode batches are small, so the bound counts more
+    # decode iterations than the batch of all agents would need
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    opts = {"max_total_tokens": 7000}
+    b = lower_bound(w, "tiny-cpu", **opts)
+    roomy = lower_bound(w, "tiny-cpu", max_total_tokens=100_000)
+    assert b["decode_seconds"] > roomy["decode_seconds"]
+    r = simulate(w, "tiny-cpu", make_policy(policy), tmp_path / "r", engine_options=opts)
+    assert r.sim_seconds >= b["bound_seconds"]

@@ -216,3 +216,56 @@ def test_every_registered_policy_is_listed_with_its_parameters():
     assert "agent-cap:<n>" in listed and "none" in listed
     assert any(d.startswith("wset:target=0.9,headroom_steps=1.0") for d in listed)
     assert any(d.startswith("aimd:alpha=2,beta=0.5") for d in listed)
+
+
+def test_wset_fit_is_the_plain_running_sum():
+    # the bisection over C-level running sums gives the same count as adding agent by agent,
+    # also where a context is below the shared prefix (the clamp) or the budget is tiny
+    import random
+
+    from runner.policies import _fit
+
+    def plain(held, waiting, shared, growth, budget):
+        fit = 0
+        for ctx in (*held, *waiting):
+            budget -= max(0, ctx - shared) + growth
+            if budget < 0:
+                break
+            fit += 1
+        return fit
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        held = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
+        waiting = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
+        args = (held, waiting, rng.choice([0, 800]), rng.choice([0.0, 250.0]))
+        budget = rng.uniform(-10, 60_000)
+        assert _fit(*args, budget) == plain(*args, budget)
+
+
+def test_wset_swarm_in_warmup_admits_every_agent_that_fits_at_once():
+    # 2,048 short agents (300 tokens, 200 shared) on a 2M-token pool: all fit in the first
+    # period; AIMD starts at 4 and adds 2 a period (the 0.60x-of-none warmup starvation)
+    s = ws_sig(
+        [], [300] * 2048, capacity=2_000_000, window=4, shared_tokens=200, growth_per_step=100.0
+    )
+    s = Signals(**{**s.__dict__, "usage": 0.02})  # nothing resident yet
+    assert WorkingSet().update(s).window == 2048
+    assert AIMD().initial_window(2048) == 4 and AIMD().update(s).window == 4 + 2
+
+
+def test_wset_counts_a_host_tier_where_reloads_beat_recomputes():
+    # 8 agents of 2,000 tokens on a 10K device pool: 4 fit on the device alone (0.9 x 10K);
+    # a 20K host tier (write-through: it also holds the device's 10K) adds 10K
+    held = [2000] * 8
+    assert WorkingSet().update(ws_sig(held, [])).window == 4
+    fast = ws_sig(held, [], host_capacity_tokens=20_000, host_reload_cost=0.05)
+    assert WorkingSet().update(fast).window == 8  # 0.9 x 20K = 18K: eight agents
+    # limited bandwidth: a reload dearer than recomputing is worth nothing
+    slow = ws_sig(held, [], host_capacity_tokens=20_000, host_reload_cost=1.3)
+    assert WorkingSet().update(slow).window == 4
+    # a host tier no larger than the device holds nothing the device does not
+    small = ws_sig(held, [], host_capacity_tokens=10_000, host_reload_cost=0.05)
+    assert WorkingSet().update(small).window == 4
+    # the tier can be ignored (the device-only policy, measured beside it)
+    assert WorkingSet(use_host=False).update(fast).window == 4

@@ -630,6 +630,26 @@ def test_speed_256_concurrent_agents():
     )
 
 
+def test_cache_stats_report_the_host_tier_and_its_reload_cost():
+    from runner.engines.chatml_tokenizer import ChatMLTokenizer
+    from runner.sim.engine import CostModel, make_sim_engine
+    from runner.sim.engine import deployment as dep
+
+    tok = ChatMLTokenizer()
+    plain = make_sim_engine("tiny-cpu", tok, lambda ids: [tok.eos_ids[0]])
+    assert plain.cache_stats().host_capacity_tokens is None
+    assert plain.cache_stats().host_reload_cost is None
+    eng = make_sim_engine(
+        "tiny-cpu", tok, lambda ids: [tok.eos_ids[0]], hicache_tokens=5000, pcie_bytes_per_s=1e8
+    )
+    cost = CostModel(dep("tiny-cpu"), 1e8)
+    stats = eng.cache_stats()
+    assert stats.host_capacity_tokens == 5000
+    assert stats.host_reload_cost == pytest.approx(
+        cost.host_load(1) / cost.prefill_linear_per_token
+    )
+
+
 def test_on_a_plain_asyncio_loop():
     """Without runner.sim.vclock's VirtualClock (plain asyncio, real time) the engine still
     serves every request exactly (only its decode blocks are not cut at the next timer)."""

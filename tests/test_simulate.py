@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from runner.policies import make_policy
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
@@ -77,3 +79,29 @@ def test_cli_engine_sim(tmp_path):
         "--engine", "sim", "--sim-deployment", "h100x1", "--out", str(tmp_path / "b"), check=False
     )
     assert bad.returncode == 2 and "unknown simulator preset" in bad.stderr
+
+
+def test_long_tool_waits_under_wset_keep_every_agent_resident(tmp_path):
+    # a third of the tools take 20-40 s; every context fits the pool, so wset never pauses
+    # anyone for them (agents in tools keep their slot) and matches the uncontrolled engine
+    w = synthetic("tiny", seed=5, slow_tools=(0.3, 20.0, 40.0))
+    assert max(s.tool_seconds for a in w.agents for s in a.steps) >= 20.0
+    r = simulate(w, "tiny-cpu", make_policy("wset"), tmp_path / "w", resume_rule="newest")
+    none = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / "n")
+    assert r.gate["pauses"] == 0 and r.work == none.work
+    assert r.sim_seconds == pytest.approx(none.sim_seconds, rel=0.02)
+
+
+def test_host_tier_reloads_are_charged_at_its_bandwidth(tmp_path):
+    # the same pressured batch with a host tier at two reload rates: every reloaded token
+    # costs its KV bytes over the link, so the slow tier spends 10x the seconds per token
+    from runner.sim.engine import deployment
+
+    w = synthetic("tiny", seed=3, final=(3000, 6000), gen=(30, 60))
+    per_token = deployment("tiny-cpu").kv_bytes_per_token_per_gpu
+    for bw in (1e9, 1e8):
+        opts = {"max_total_tokens": 9000, "hicache_ratio": 2.0, "pcie_bytes_per_s": bw}
+        r = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / f"h{bw:g}", engine_options=opts)
+        e = r.engine
+        assert e["tokens_host_load"] > 0
+        assert e["seconds_host_load"] == pytest.approx(e["tokens_host_load"] * per_token / bw)

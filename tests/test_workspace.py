@@ -251,7 +251,7 @@ def test_batch_from_archive_and_repo(tmp_path: Path, needs_bwrap) -> None:
     recs = {r["task_id"]: r for r in read_jsonl(out / "trajectories.jsonl")}
     e = recs["evil"]
     assert e["status"] == "error" and "link leaves the workspace" in e["reason"]
-    assert e["eval"] is None and not Path("/etc/pwned").exists()
+    assert e["eval"]["command"] is None and not Path("/etc/pwned").exists()
     t = recs["from-tar"]
     assert t["status"] == "submitted" and t["eval"]["solved"]
     assert t["setup"]["git"]["kind"] == "new" and t["setup"]["commands"][0]["exit_code"] == 0

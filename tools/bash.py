@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import Observation, ToolContext, limits_with_timeout, result_observation
+from .core import (
+    Observation,
+    ToolContext,
+    limits_with_timeout,
+    result_observation,
+    timed_parameters,
+)
 
 
 @dataclass
@@ -17,17 +23,7 @@ class Bash:
         "sed or a python3 one-liner) and run tests."
     )
     parameters: dict[str, Any] = field(
-        default_factory=lambda: {
-            "type": "object",
-            "properties": {
-                "command": {"type": "string", "description": "The command to run."},
-                "timeout": {
-                    "type": "integer",
-                    "description": "Seconds before the command is killed (default 60).",
-                },
-            },
-            "required": ["command"],
-        }
+        default_factory=lambda: timed_parameters("command", "The command to run.")
     )
     max_timeout: float = 600.0
 

@@ -102,6 +102,21 @@ def check_args(tool: Tool, args: dict[str, Any]) -> str | None:
     return None
 
 
+def timed_parameters(key: str, description: str, killed: str = "the command") -> dict[str, Any]:
+    """JSON schema of a tool that runs one string argument under an optional `timeout`."""
+    return {
+        "type": "object",
+        "properties": {
+            key: {"type": "string", "description": description},
+            "timeout": {
+                "type": "integer",
+                "description": f"Seconds before {killed} is killed (default 60).",
+            },
+        },
+        "required": [key],
+    }
+
+
 def limits_with_timeout(
     name: str, args: dict[str, Any], ctx: ToolContext, max_timeout: float
 ) -> Limits | Observation:

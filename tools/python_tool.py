@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import Observation, ToolContext, limits_with_timeout, result_observation
+from .core import (
+    Observation,
+    ToolContext,
+    limits_with_timeout,
+    result_observation,
+    timed_parameters,
+)
 
 # sys.path[0] is "" (the cwd, i.e. the workspace) under -c; the program's own frames are
 # named after the temp file, so tracebacks can print its lines.
@@ -34,17 +40,9 @@ class Python:
         "exit code. Print what you want to see. The program reads no input."
     )
     parameters: dict[str, Any] = field(
-        default_factory=lambda: {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "The Python source to run."},
-                "timeout": {
-                    "type": "integer",
-                    "description": "Seconds before the program is killed (default 60).",
-                },
-            },
-            "required": ["code"],
-        }
+        default_factory=lambda: timed_parameters(
+            "code", "The Python source to run.", killed="the program"
+        )
     )
     max_timeout: float = 600.0
 

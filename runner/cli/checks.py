@@ -26,6 +26,7 @@ def _at_least(args: argparse.Namespace, flag: str, low: float, strict: bool = Fa
 def check_task_options(args: argparse.Namespace) -> None:
     _at_least(args, "--max-steps", 1)
     _at_least(args, "--limit", 0)
+    _at_least(args, "--samples", 1)
     if args.task_ids is not None and not [t for t in args.task_ids.split(",") if t.strip()]:
         raise ValueError("--task-ids names no task id")
     if args.out is not None:
@@ -87,6 +88,13 @@ def check_display_options(args: argparse.Namespace) -> None:
     _at_least(args, "--progress-interval", MIN_PROGRESS_INTERVAL)
 
 
+def check_scaleout_options(args: argparse.Namespace) -> None:
+    if args.ray is not None or args.workers is not None:
+        from .scaleout import check_ray_options
+
+        check_ray_options(args)
+
+
 def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(t.strip() for t in args.tools.split(",") if t.strip())
 
@@ -99,6 +107,7 @@ CHECKS: tuple[Callable[[argparse.Namespace], None], ...] = (
     check_sandbox_options,
     check_stopping_options,
     check_display_options,
+    check_scaleout_options,
 )
 
 

@@ -7,11 +7,15 @@ chosen (summary.json keeps the reason). Heavy engines are imported only when cho
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ..engine import Engine
+from ..engine import ConstrainedDecoding, Engine
 from ..tasks import Task
+
+log = logging.getLogger("concur")
 
 
 @dataclass
@@ -74,3 +78,35 @@ ENGINES: dict[str, Callable[[argparse.Namespace, list[Task]], EngineSetup]] = {
     "replay": replay,
 }
 ENGINE_NAMES = (*ENGINES, "sim")
+
+
+def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--engine sim: the simulated engine's options from the command line (bench/paper.py's
+    `cli_args` writes the same options for each of its runs)."""
+    options: dict[str, Any] = {}
+    cap = args.sim_max_total_tokens
+    if cap is not None:
+        if cap < 1:
+            raise ValueError(f"--sim-max-total-tokens must be >= 1, got {cap}")
+        options["max_total_tokens"] = cap
+    if args.hicache_ratio > 0:
+        options["hicache_ratio"] = args.hicache_ratio
+    if args.hicache_size > 0:
+        options["hicache_size"] = args.hicache_size
+    if args.hicache_gbps is not None:
+        if args.hicache_gbps <= 0:
+            raise ValueError(f"--hicache-gbps must be > 0, got {args.hicache_gbps}")
+        options["pcie_bytes_per_s"] = args.hicache_gbps * 1e9
+    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
+        options["sessions"] = True
+    return options
+
+
+def constrain_tool_calls(choice: str, engine: Engine) -> bool:
+    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
+    can = isinstance(engine, ConstrainedDecoding)
+    if choice == "on" and not can:
+        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
+    if not isinstance(engine, ConstrainedDecoding):
+        return False
+    return choice == "on" or (choice == "auto" and engine.constrain_by_default)

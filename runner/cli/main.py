@@ -12,6 +12,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,16 @@ from typing import Any
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
-from ..engine import ConstrainedDecoding, Engine, SamplingParams
+from ..engine import SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
 from ..store import RunFolderBusy, RunFolderWriteError, RunStore
-from ..tasks import RecordError, Task, load_tasks
+from ..tasks import RecordError, Task, expand_samples, load_tasks
 from .checks import check_options, tool_names
-from .engines import ENGINES, EngineSetup
+from .config import differing, resolved, run_record, to_toml
+from .config import parse_args as config_args
+from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
 from .parser import AIMD_FLAGS, build_parser
 
 log = logging.getLogger("concur")
@@ -48,8 +51,27 @@ class Plan:
     sha256: str | None = None  # the dataset file's content (None: hub or simulated)
 
 
+def report(argv: list[str]) -> int:
+    from ..report.command import main as report_main
+
+    return report_main(argv)
+
+
+def export(argv: list[str]) -> int:
+    from ..export import main as export_main
+
+    return export_main(argv)
+
+
+# `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report, "export": export}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    args = config_args(build_parser(), argv)
     try:
         return _main(args)
     except RunFolderWriteError as e:  # before the batch (in it, the session reports it)
@@ -72,11 +94,21 @@ def _main(args: argparse.Namespace) -> int:
         )
     try:
         store = RunStore(plan.out)
-        store.bind_source(plan.source, plan.sha256)
+        config = resolved(args)
+        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)), plan.sha256)
     except RunFolderBusy as e:
         return fail(str(e))
+    problem = check_resume(meta, config, args.eval_only, plan.out)
+    if problem:
+        return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
+    if args.ray is not None:  # a batch over many nodes: the workers build their own runners
+        from .scaleout import run_on_ray
+
+        todo = resume(args, plan, store)
+        bad = sum(1 for err in plan.bad if err.line > 0)
+        return run_on_ray(args, plan.tasks, todo, bad, plan.config, store, policy)
     try:
         sandbox = plan.sandbox or make_sandbox(args.sandbox)
     except SandboxUnavailable as e:
@@ -98,23 +130,7 @@ def run(
     setup: EngineSetup,
     policy: Policy,
 ) -> int:
-    if not args.keep_errors:  # only now: a failed start must not have dropped their records
-        again = store.retry_errors({t.id for t in plan.tasks})
-        if again:
-            log.info(
-                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
-                len(again),
-                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
-            )
-    todo = [t for t in plan.tasks if t.id not in store.finished]
-    log.info(
-        "%d tasks from %s: %d already finished in %s, %d to run",
-        len(plan.tasks),
-        plan.source,
-        len(plan.tasks) - len(todo),
-        plan.out,
-        len(todo),
-    )
+    resume(args, plan, store)
     plan.config.constrain_tool_calls = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
     progress = Progress(interval=args.progress_interval)
     batch = Batch(plan.tasks, setup.engine, sandbox, policy, store, plan.config, progress)
@@ -142,6 +158,28 @@ def run(
     return outcome.exit_code
 
 
+def resume(args: argparse.Namespace, plan: Plan, store: RunStore) -> list[Task]:
+    """What is left to run in the run folder (errors run again unless --keep-errors)."""
+    if not args.keep_errors:  # only now: a failed start must not have dropped their records
+        again = store.retry_errors({t.id for t in plan.tasks})
+        if again:
+            log.info(
+                "%d tasks that ended in error run again (--keep-errors to skip them): %s",
+                len(again),
+                ", ".join(again[:20]) + (" ..." if len(again) > 20 else ""),
+            )
+    todo = [t for t in plan.tasks if t.id not in store.finished]
+    log.info(
+        "%d tasks from %s: %d already finished in %s, %d to run",
+        len(plan.tasks),
+        plan.source,
+        len(plan.tasks) - len(todo),
+        plan.out,
+        len(todo),
+    )
+    return todo
+
+
 # ---- options ------------------------------------------------------------------------------
 
 
@@ -153,16 +191,6 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         raise ValueError(f"--policy {args.policy}: {e}") from None
 
 
-def constrain_tool_calls(choice: str, engine: Engine) -> bool:
-    """--constrain-tool-calls on|off|auto for this engine (auto: the engine's own default)."""
-    can = isinstance(engine, ConstrainedDecoding)
-    if choice == "on" and not can:
-        log.warning("--constrain-tool-calls: %s cannot constrain decoding; ignored", engine.name)
-    if not isinstance(engine, ConstrainedDecoding):
-        return False
-    return choice == "on" or (choice == "auto" and engine.constrain_by_default)
-
-
 # ---- plans --------------------------------------------------------------------------------
 
 
@@ -171,6 +199,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--tasks is required (a dataset file or a Hugging Face dataset name)")
     ids = [t.strip() for t in args.task_ids.split(",")] if args.task_ids else None
     tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split)
+    tasks = expand_samples(tasks, args.samples)
     local = Path(source).is_file()
     sha256 = None
     if local:  # one dataset however its path was typed (run.json keeps both)
@@ -178,7 +207,8 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         sha256 = hashlib.sha256(Path(source).read_bytes()).hexdigest()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or BatchConfig.max_steps,
+        max_steps_cap=args.max_steps,
         sampling=SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -193,6 +223,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
         eval_timeout=args.eval_timeout,
+        rollouts=not args.no_rollouts,
     )
     return Plan(tasks, bad, source, out, config, sha256=sha256)
 
@@ -222,12 +253,7 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
     if args.eval_only:
         raise ValueError("--eval-only does not apply to --engine sim")
     workload = load_workload(args.workload, args.workload_seed)
-    options: dict[str, Any] = {}
-    if args.hicache_ratio > 0:
-        options["hicache_ratio"] = args.hicache_ratio
-    if args.sglang_sessions:  # the simulator models SGLang's session radix cache too
-        options["sessions"] = True
-    parts = sim_parts(workload, args.sim_deployment, options)
+    parts = sim_parts(workload, args.sim_deployment, sim_engine_options(args))
     out = args.out or OUTPUTS / f"sim-{workload.name}-{args.sim_deployment}"
     if out.exists():
         shutil.rmtree(out)
@@ -243,6 +269,24 @@ def simulation_plan(args: argparse.Namespace) -> Plan:
 
 
 # ---- run folder and logging ---------------------------------------------------------------
+
+
+def check_resume(meta: dict[str, Any], config: dict[str, Any], eval_only: bool, out: Path) -> str:
+    """Why this run may not go on in `out` ("" if it may); writes run.toml on a first run."""
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):  # a run folder of a version that recorded none
+        return ""
+    if not (out / "run.toml").exists():
+        (out / "run.toml").write_text(to_toml(recorded), encoding="utf-8")
+    keys = [] if eval_only else [k for k in differing(recorded, config) if k != "tasks"]
+    if not keys:
+        return ""
+    changes = ", ".join(f"--{k.replace('_', '-')} ({recorded.get(k)!r} -> {config.get(k)!r})"
+                        for k in keys)  # fmt: skip
+    return (
+        f"{out} holds a run made with other options that change results: {changes}. Resume "
+        f"it with its own options (--config {out / 'run.toml'}) or pass another --out"
+    )
 
 
 def workspace_root(out: Path) -> Path:

@@ -44,9 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
         description="Run LLM agents over a task dataset behind an agent-level admission gate.",
+        epilog="Reports: python run.py report RUN [RUN ...] [--json] [--plot] [--html OUT.html] "
+        "(python run.py report --help; docs/report.md).",
         formatter_class=_Formatter,
     )
     g = p.add_argument_group("tasks")
+    g.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file setting any of these options by long name (max_steps = 4); "
+        "flags on the command line win. A run folder's run.toml is one",
+    )
     g.add_argument(
         "--tasks",
         help="a .jsonl/.json/.parquet/.csv file (also looked up in tasks/), "
@@ -58,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-steps",
         type=int,
-        default=BatchConfig.max_steps,
-        help="default for tasks without one",
+        help="step budget of every task, capping a task's own max_steps too (not given: "
+        f"a task's own max_steps, else {BatchConfig.max_steps})",
     )
     g.add_argument("--out", type=Path, help="run folder (default: outputs/<tasks stem>/)")
     g.add_argument(
@@ -124,13 +133,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sim-deployment",
         default="qwen3-32b-tp8",
-        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, tiny-cpu",
+        help="qwen3-32b-tp2/tp4/tp8, deepseek-v3-tp16, deepseek-v3-tp16-paper (the pool "
+        "capped to the paper's KV size), tiny-cpu",
+    )
+    g.add_argument(
+        "--sim-max-total-tokens",
+        type=int,
+        help="cap the simulated KV pool, tokens (SGLang's --max-total-tokens)",
     )
     g.add_argument(
         "--hicache-ratio",
         type=float,
         default=0.0,
         help="host-memory KV tier, as a multiple of the device pool (0: none)",
+    )
+    g.add_argument(
+        "--hicache-size",
+        type=float,
+        default=0.0,
+        help="host-memory KV tier, GB per rank (SGLang's --hicache-size; wins over the ratio)",
+    )
+    g.add_argument(
+        "--hicache-gbps",
+        type=float,
+        help="host-to-GPU reload bandwidth, GB/s per GPU (default: the preset's, 50)",
     )
 
     g = p.add_argument_group("admission gate")
@@ -205,6 +231,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE_SECONDS,
         help="on SIGTERM or SIGINT: admit no more agents, give those in flight this long to "
         "finish (a second signal stops at once), then stop; exit 143 (SIGTERM) or 130",
+    )
+
+    g = p.add_argument_group("outputs (docs/outputs.md)")
+    g.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="independent agents per task (ids <task>#<k>, seeds derived from --seed and k); "
+        "summary.json gets pass@k when tasks have an eval",
+    )
+    g.add_argument(
+        "--no-rollouts",
+        action="store_true",
+        help="do not write rollouts.jsonl (token ids, loss mask, logprobs of every agent)",
+    )
+
+    g = p.add_argument_group("many nodes (Ray; docs/scale-out.md)")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the batch on a Ray cluster, one run folder here, a whole runner per worker: "
+        "ADDRESS of its head (HOST:PORT); none: the cluster this machine belongs to, else a "
+        "new local one (needs pip install 'concur-runner[ray]')",
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        help="with --ray: how many workers (default: one per node; with SGLang, one per "
+        "tp x dp GPUs)",
     )
 
     g = p.add_argument_group("display")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def scripts_from_tasks(tasks: list[Any]) -> dict[str, list[str]]:
+def scripts_from_tasks(tasks: Sequence[Any]) -> dict[str, list[str]]:
     """task id -> its `replay` list (tasks without one get none: they submit at once)."""
     return {t.id: list(t.raw.get("replay") or []) for t in tasks}
 
@@ -66,12 +67,17 @@ class ReplayEngine:
     name = "replay"
 
     def __init__(
-        self, scripts: dict[str, list[str]], context_limit: int = 8192, source: str = "tasks"
+        self,
+        scripts: dict[str, list[str]],
+        context_limit: int = 8192,
+        source: str = "tasks",
+        tokenizer: ChatMLTokenizer | None = None,  # e.g. one with another chat template
     ) -> None:
         self.model = f"replay ({source})"
+        self._from_tasks = source == "tasks"
         self.context_limit = context_limit
         self.scripts = scripts
-        self._tok = ChatMLTokenizer()
+        self._tok = tokenizer or ChatMLTokenizer()
         self._turn: dict[str, int] = {}
         self._last: dict[str, list[int]] = {}  # the agent's previous prompt + output ids
         self.requests = 0
@@ -82,6 +88,12 @@ class ReplayEngine:
     @property
     def tokenizer(self) -> ChatMLTokenizer:
         return self._tok
+
+    def add_tasks(self, tasks: Sequence[Any]) -> None:
+        """Tasks that arrive after the engine was built (TaskScripted): their `replay` lists
+        are the scripts, unless the scripts came from --replay-from."""
+        if self._from_tasks:
+            self.scripts.update(scripts_from_tasks(tasks))
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, agent: str | None = None

@@ -92,6 +92,11 @@ def lower_bound(
     iters = math.ceil(gen_tokens / max(1, len(workload.agents)))
     batch = gen_tokens // iters if iters else 0
     decode = iters * cost.decode(batch, ctx_reads // iters) if iters else 0.0
+    # Every request in one decode iteration is resident at once: their contexts (the shared
+    # prompt once) fit the pool, so there are at least this many iterations.
+    private_reads = ctx_reads - gen_tokens * sys_tokens
+    mem_iters = math.ceil(private_reads / max(1, dep.pool_tokens - sys_tokens))
+    decode = max(decode, _decode_floor(cost, mem_iters, gen_tokens, ctx_reads))
     engine = prefill + decode
     chain = max(chains, default=0.0)
     # a dropped token costs the floor of its recompute, or its reload where a host tier
@@ -111,6 +116,25 @@ def lower_bound(
         "decode_seconds": round(decode, 3),
         "longest_chain_seconds": round(chain, 3),
     }
+
+
+def _decode_floor(cost: CostModel, iters: int, gen_tokens: int, ctx_reads: int) -> float:
+    """A floor on `gen_tokens` decoded in `iters` iterations however they are batched: each
+    reads at least one token's weights, pays its launch cost and its all-reduce latency;
+    across them the KV reads and the FLOPs add up (a sum of maxima is at least the max of
+    the sums), and the all-reduce bytes grow linearly with the batch."""
+    if iters <= 0 or gen_tokens <= 0:
+        return 0.0
+    iters = min(iters, gen_tokens)
+    one, two = cost.decode_parts(1, 0), cost.decode_parts(2, 0)
+    kv = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
+    flops_tok = two["compute"] - one["compute"]
+    flops_ctx = cost.decode_parts(1, 1)["compute"] - one["compute"]
+    ar_tok = two["allreduce"] - one["allreduce"]
+    memory = iters * one["memory"] + kv * ctx_reads
+    compute = flops_tok * gen_tokens + flops_ctx * ctx_reads
+    allreduce = iters * (one["allreduce"] - ar_tok) + ar_tok * gen_tokens
+    return max(memory, compute) + allreduce + iters * one["overhead"]
 
 
 def _memory_bound(

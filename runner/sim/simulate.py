@@ -79,6 +79,7 @@ def sim_config(parts: SimParts, **overrides: Any) -> BatchConfig:
         tools=SIM_TOOL_NAMES,
         tool_registry=SIM_TOOLS,
         git_base=False,
+        rollouts=False,  # synthetic token ids: nothing to train on
         **overrides,
     )
 

@@ -223,10 +223,63 @@ _PAPER: dict[str, Any] = dict(
     tool_s=(1.0, 8.0),
     system=1_000,
 )
+# The stress suite (bench/stress.py): workloads the paper's rows do not cover. Options beyond
+# the paper's (all drawn from a second seeded stream, so a preset without them is unchanged):
+# `long_steps` (p, lo, hi): with probability p an agent takes lo-hi steps instead;
+# `final_per_step` (lo, hi): the final context is start + steps x this (replaces `final`);
+# `slow_tools` (p, lo, hi): each tool with probability p takes lo-hi s (log-uniform);
+# `spikes` (p, lo, hi): each observation with probability p has lo-hi tokens more, unless the
+# agent's total would pass `max_context`.
+_STRESS: dict[str, dict[str, Any]] = {
+    # most tools sub-second, a fifth about a minute
+    "stress-slow-tools": {**_PAPER, "tool_s": (0.2, 1.0), "slow_tools": (0.2, 40.0, 80.0)},
+    # a few percent of observations 15-25K tokens, on top of smaller contexts
+    "stress-spikes": {
+        **_PAPER,
+        "final": (6_000, 14_000),
+        "spikes": (0.05, 15_000, 25_000),
+        "max_context": 38_000,
+    },
+    # an 8K-token common system prompt, short turns
+    "stress-shared-prefix": {
+        **_PAPER,
+        "system": 8_000,
+        "start": 256,
+        "steps": (10, 30),
+        "final": (2_000, 6_000),
+        "gen": (20, 80),
+    },
+    # most agents under 10 steps, some near 90
+    "stress-long-tail": {
+        **_PAPER,
+        "steps": (3, 9),
+        "long_steps": (0.08, 80, 95),
+        "final_per_step": (250, 400),
+    },
+    # 2,048 short agents
+    "stress-swarm": {
+        **_PAPER,
+        "agents": 2048,
+        "steps": (3, 12),
+        "start": 256,
+        "final": (1_000, 4_000),
+        "gen": (20, 100),
+        "tool_s": (0.5, 4.0),
+    },
+    # the DeepSeek agents with observation spikes
+    "stress-deepseek-spikes": {
+        **_PAPER,
+        "agents": 32,
+        "final": (6_000, 14_000),
+        "spikes": (0.03, 15_000, 25_000),
+        "max_context": 60_000,
+    },
+}
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": _PAPER,
     # the DeepSeek-V3 rows: the same agents, fewer of them
     **{f"paper-deepseek-{n}": {**_PAPER, "agents": n} for n in (16, 32, 40)},
+    **_STRESS,
     "tiny": dict(
         agents=8,
         steps=(3, 6),
@@ -242,15 +295,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 def synthetic(preset: str = "paper", seed: int = 0, **overrides: Any) -> Workload:
     """A seeded workload. Per agent: a step count, a final context size, and per step a
     generated size and a log-uniform tool time; observations fill the context from `start`
-    to the final size, unevenly (a few large outputs, many small ones)."""
+    to the final size, unevenly (a few large outputs, many small ones). The stress options
+    (above `PRESETS`) change step counts, tools and observations from a second stream."""
     if preset not in PRESETS:
         raise ValueError(f"unknown workload preset {preset!r}; choose from {sorted(PRESETS)}")
     p = {**PRESETS[preset], **overrides}
     rng = random.Random(seed)
+    aux = random.Random(f"{seed}:stress")
     agents = []
     for i in range(p["agents"]):
         n = rng.randint(*p["steps"])
-        final = rng.randint(*p["final"])
+        if "long_steps" in p and aux.random() < p["long_steps"][0]:
+            n = aux.randint(*p["long_steps"][1:])
+        if "final_per_step" in p:
+            final = p["start"] + n * rng.randint(*p["final_per_step"])
+        else:
+            final = rng.randint(*p["final"])
         gens = [rng.randint(*p["gen"]) for _ in range(n)]
         budget = max(0, final - p["start"] - sum(gens[:-1]))
         weights = [rng.expovariate(1.0) for _ in range(n - 1)]
@@ -258,7 +318,31 @@ def synthetic(preset: str = "paper", seed: int = 0, **overrides: Any) -> Workloa
         obs = [int(budget * w / total_w) for w in weights]
         lo, hi = p["tool_s"]
         tools = [math.exp(rng.uniform(math.log(lo), math.log(hi))) for _ in range(n - 1)]
+        if "slow_tools" in p:
+            q, slo, shi = p["slow_tools"]
+            tools = [
+                math.exp(aux.uniform(math.log(slo), math.log(shi))) if aux.random() < q else t
+                for t in tools
+            ]
+        if "spikes" in p:
+            obs = _spiked(obs, aux, p["spikes"], p["max_context"] - final)
         steps = [Step(g, t, o) for g, t, o in zip(gens[:-1], tools, obs, strict=True)]
         steps.append(Step(gens[-1], 0.0, 0))
         agents.append(AgentTrace(f"agent-{i:04d}", p["start"], steps))
     return Workload(preset, p["system"], agents, {"preset": preset, "seed": seed, **p})
+
+
+def _spiked(
+    obs: list[int], rng: random.Random, spec: tuple[float, int, int], room: int
+) -> list[int]:
+    """Observations with a few spikes added, while they fit `room` more tokens."""
+    q, lo, hi = spec
+    out = []
+    for o in obs:
+        if rng.random() < q:
+            extra = rng.randint(lo, hi)
+            if extra <= room:
+                o += extra
+                room -= extra
+        out.append(o)
+    return out

@@ -126,11 +126,13 @@ def _try_lock(path: Path) -> IO[str] | None:
     return f
 
 
-def start_reaper(lease: UidLease, workspaces: Path | None) -> Reaper:
+def start_reaper(lease: UidLease | None, workspaces: Path | None) -> Reaper:
     """The reaper of a run (tools/sandbox/reaper.py): if this process dies, it kills what
-    runs under the lease's uids and in this process's cgroup and removes `workspaces`."""
-    uids = lease.ranges() if lease.locked else []  # unlocked: the uids are not ours to kill
-    return Reaper(uids, cgroup_folder(), workspaces, lease.lock_fds())
+    runs under the lease's uids and in this process's cgroup and removes `workspaces`.
+    Without a (locked) lease the uids are not ours to kill: only the cgroup and folder."""
+    if lease is None or not lease.locked:
+        return Reaper([], cgroup_folder(), workspaces)
+    return Reaper(lease.ranges(), cgroup_folder(), workspaces, lease.lock_fds())
 
 
 def _sweep_free_blocks(mine: set[int], registry: Path) -> int:

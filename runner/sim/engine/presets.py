@@ -151,6 +151,18 @@ DEPLOYMENTS: dict[str, Deployment] = {
         layer_overhead_s=60e-6,  # MLA + MoE routing/dispatch: more kernels per layer
         notes="2 nodes x 8 H100",
     ),
+    # The paper states ~6.67 GB of KV cache per 4,096-token DeepSeek-V3 request (1.63 MB a
+    # token); spread over 16 GPUs beside the FP8 weights that leaves ~280K tokens of pool,
+    # fewer than the ~452K an MLA cache replicated per GPU gives. The paper bench's preset.
+    "deepseek-v3-tp16-paper": Deployment(
+        "deepseek-v3-tp16-paper",
+        DEEPSEEK_V3,
+        H100_SXM,
+        tp=16,
+        layer_overhead_s=60e-6,
+        max_total_tokens=280_000,
+        notes="2 nodes x 8 H100; pool capped to the paper's 6.67 GB per 4,096 tokens",
+    ),
     "tiny-cpu": Deployment(
         "tiny-cpu",
         TINY_MODEL,

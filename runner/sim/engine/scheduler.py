@@ -887,6 +887,13 @@ class SimEngine:
             usage=used / cap,
             capacity_tokens=cap,
             used_tokens=used,
+            host_capacity_tokens=self.hicache_tokens or None,
+            # a reload over PCIe against the floor of a recompute (its linear FLOPs)
+            host_reload_cost=(
+                self.cost.host_load(1) / self.cost.prefill_linear_per_token
+                if self.hicache_tokens
+                else None
+            ),
             extra={
                 "physical_occupancy": (cap - free) / cap,
                 "free_tokens": free,

@@ -1,0 +1,97 @@
+"""--config run.toml: options from a file (flags win), errors naming key and file, the
+resolved run.toml read back, the run record in run.json, resuming with other options
+refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.cli.config import parse_args, resolved, run_record, to_toml
+from runner.cli.main import main
+from runner.cli.parser import build_parser
+from runner.store import RunStore
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    return p
+
+
+def test_config_sets_options_and_flags_win(tmp_path):
+    cfg = toml(
+        tmp_path,
+        'tasks = "a.jsonl"\nmax-steps = 4\npolicy = "none"\nkeep_workspaces = true\n'
+        'engine_arg = ["k=v", "x=y"]\ntemperature = 0\n',
+    )
+    args = parse_args(build_parser(), ["--config", str(cfg), "--policy", "agent-cap:2"])
+    assert (args.tasks, args.max_steps, args.keep_workspaces) == ("a.jsonl", 4, True)
+    assert args.policy == "agent-cap:2"  # the flag wins
+    assert args.engine_arg == ["k=v", "x=y"] and args.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_stepz = 4\n", "unknown key 'max_stepz'"),
+        ('max_steps = "four"\n', "key 'max_steps': expected an integer, got 'four'"),
+        ('pause_rule = "random"\n', "key 'pause_rule': 'random' is not one of"),
+        ("keep_workspaces = 1\n", "key 'keep_workspaces': expected true or false"),
+        ("engine = 3\n", "key 'engine': expected a string"),
+        ("max_steps = [\n", "not TOML"),
+    ],
+)
+def test_bad_config_names_key_and_file(tmp_path, capsys, text, message):
+    cfg = toml(tmp_path, text)
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(), ["--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and message in err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["--config", str(tmp_path / "nope.toml")])
+    assert "nope.toml: cannot read it" in capsys.readouterr().err
+
+
+def test_resolved_run_toml_reads_back(tmp_path):
+    argv = ["--tasks", "a.jsonl", "--policy", "wset", "--engine-arg", 'a="b"', "--max-steps", "3"]
+    args = build_parser().parse_args(argv)
+    cfg = toml(tmp_path, to_toml(resolved(args)))
+    again = parse_args(build_parser(), ["--config", str(cfg)])
+    assert resolved(again) == {**resolved(args), "config": str(cfg)}
+
+
+def test_run_record_is_written_once(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    store = RunStore(tmp_path / "run")
+    rec = run_record({"policy": "aimd"}, data)
+    meta = store.bind_source(str(data), rec)
+    assert meta["config"] == {"policy": "aimd"} and len(meta["dataset_hash"]) == 64
+    assert "concur-runner" in meta["packages"] and "matplotlib" in meta["packages"]
+    assert meta["git_commit"] is None or len(meta["git_commit"].split("-")[0]) == 40
+    again = store.bind_source(str(data), run_record({"policy": "none"}, data))
+    assert again["config"] == {"policy": "aimd"}  # never rewritten
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["policy"] == "aimd"
+
+
+def test_resume_with_options_that_change_results_is_refused(tmp_path, capsys):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    out = tmp_path / "run"
+    first = ["--tasks", str(data), "--out", str(out), "--engine", "replay"]
+    RunStore(out).bind_source(
+        str(data.resolve()), run_record(resolved(build_parser().parse_args(first)), data)
+    )
+    code = main([*first, "--policy", "none", "--temperature", "0.2", "--progress-interval", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--policy ('aimd' -> 'none')" in err and "--temperature (0.6 -> 0.2)" in err
+    assert "progress-interval" not in err  # display-only: may differ
+    assert f"--config {out / 'run.toml'}" in err
+    again = parse_args(build_parser(), ["--config", str(out / "run.toml")])
+    assert again.policy == "aimd" and again.engine == "replay"

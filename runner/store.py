@@ -12,6 +12,11 @@
   renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
+
+A write that fails (disk full, I/O error) raises RunFolderWriteError naming the file and the
+free space, after cutting the file back to where it was (appends) or removing the temp file
+(replacements): what was reported written stays, nothing half-written is left. The batch
+stops on it (runner/session.py).
 """
 
 from __future__ import annotations

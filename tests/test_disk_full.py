@@ -34,7 +34,8 @@ def test_disk_full_stops_cleanly_and_the_rerun_resumes(tmp_path, small_fs):
             f.write(json.dumps({"id": f"d-{i:02d}", "prompt": PROMPT}) + "\n")
     out = small_fs / "out"
     args = ["--tasks", str(tasks), "--out", str(out), "--engine", "replay", "--n-ctx", "1000000"]
-    p = run_cli(*args, "--policy", "agent-cap:4", check=False)
+    args += ["--policy", "agent-cap:4"]
+    p = run_cli(*args, check=False)
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr and "Logging error" not in p.stderr, p.stderr
     assert f"cannot write {out}/" in p.stderr and "MiB free on its filesystem" in p.stderr

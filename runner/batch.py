@@ -25,6 +25,7 @@ from tools.sandbox import (
     AGENT_UID_BASE,
     CommandSandbox,
     Limits,
+    Sandbox,
     UidLease,
     lease_uids,
     move_tree,
@@ -127,6 +128,7 @@ class BatchConfig:
 
 @dataclass
 class Totals:
+    retries: int = 0  # engine requests retried after a transient failure (runner/retries.py)
     prompt: int = 0
     cached: int = 0
     generated: int = 0
@@ -224,8 +226,9 @@ class Batch:
             self.gate.register(t.id)
         self._ws_root.chmod(0o755)
         # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py);
-        # a worker of a scaled-out run has its range from its run instead (uid_base)
-        if self.config.uid_base == AGENT_UID_BASE:
+        # a worker of a scaled-out run has its range from its run instead (uid_base); a
+        # sandbox that starts no process as a uid (the simulator's) needs none
+        if self.config.uid_base == AGENT_UID_BASE and isinstance(self.sandbox, Sandbox):
             self._uids = lease_uids(len(self.todo))
         reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
         try:
@@ -354,6 +357,7 @@ class Batch:
                 sampling=sampling,
                 max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
+                on_retry=self._on_retry,
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
             status, reason, answer = await agent.run()
@@ -488,6 +492,9 @@ class Batch:
         return await evaluate(
             self.sandbox, task, ctx.workspace, ctx.uid, self.config.limits, self.config.eval_timeout
         )
+
+    def _on_retry(self) -> None:
+        self.totals.retries += 1
 
     def _on_request(self, key: str, gen: Generation, fresh: int) -> None:
         self._engine_failures = 0  # the engine works

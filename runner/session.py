@@ -100,6 +100,7 @@ def execute(
         )
         if stop is not None and stop.received is not None:
             summary["stopped_by"] = stop.received.name
+        summary["engine_retries"] = batch.totals.retries
         store = batch.store
         assert isinstance(store, RunStore), "a session's batch writes to a run folder"
         if _write_summary(store, summary):

@@ -23,6 +23,7 @@ from typing import Any
 
 from tools.core import Observation, Tool, ToolContext, call_schema, cap, check_args, schema
 
+from . import retries
 from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
 from .gate import AdmissionGate
 from .records import as_message, message, tool_call
@@ -98,6 +99,8 @@ class Agent:
     seen: int = 0  # how many of self.ids the engine has already had (as prompt or output)
     constrain_tool_calls: bool = False  # ask the engine for exactly one well-formed call
     prompt_len: int = 0  # len(ids) of the opening prompt
+    retry: retries.RetryPolicy = field(default_factory=retries.RetryPolicy)
+    on_retry: Callable[[], None] = lambda: None  # called before each retry of a request
     # per step, offsets into ids: (output start, output end = observation start, observation end)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     # one per generated id while every request returned logprobs; None once one did not
@@ -138,7 +141,9 @@ class Agent:
         await self.gate.acquire(self.key, len(self.ids))
         step.wait_seconds = _now() - t_wait
         try:
-            gen = await self.engine.generate(self.ids, self.sampling, agent=self.key)
+            gen = await retries.generate(
+                self.engine, self.ids, self.sampling, self.key, self.retry, self.on_retry
+            )
         except ContextLimitExceeded as e:
             raise ContextLimit(str(e)) from None
         finally:

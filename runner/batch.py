@@ -21,7 +21,17 @@ from typing import Any, Protocol
 from tools.core import Tool, ToolContext
 from tools.gitrepo import ensure_repo
 from tools.registry import DEFAULT_TOOLS, get_tools
-from tools.sandbox import AGENT_UID_BASE, CommandSandbox, Limits, move_tree, remove_tree
+from tools.sandbox import (
+    AGENT_UID_BASE,
+    CommandSandbox,
+    Limits,
+    Sandbox,
+    UidLease,
+    lease_uids,
+    move_tree,
+    remove_tree,
+    start_reaper,
+)
 
 from .agent import Agent
 from .control import DEFAULT_CONTROL_PERIOD, Controller, MultiController
@@ -40,6 +50,8 @@ from .progress import ROWS_MAX, BatchStatus, Progress, TaskRow
 from .ranked_gate import RankedGate
 from .records import eval_field, patch_field, rollout_record, setup_field, trajectory
 from .rewards import reward_fields, sample_seed
+from .stopping import DrainingGate
+from .store import RunFolderWriteError
 from .swebench import checkout, evaluate_swe
 from .tasks import Task
 from .workspace import populate
@@ -117,6 +129,7 @@ class BatchConfig:
 
 @dataclass
 class Totals:
+    retries: int = 0  # engine requests retried after a transient failure (runner/retries.py)
     prompt: int = 0
     cached: int = 0
     generated: int = 0
@@ -166,6 +179,9 @@ class Batch:
         self.totals = Totals()
         self.progress = progress
         self._step_budget = sum(self._max_steps(t) for t in self.todo)
+        self._agent_gate = DrainingGate(self.gate)  # what agents see: can stop admitting
+        self._agent_tasks: dict[str, asyncio.Task[None]] = {}
+        self._uids: UidLease | None = None
         self._engine_failures = 0  # consecutive agents that failed on the engine
         # for the progress rows: the agents so far, when each started, how each ended
         self._agents: dict[str, Agent] = {}
@@ -214,13 +230,22 @@ class Batch:
         for t in self.todo:
             self.gate.register(t.id)
         self._ws_root.chmod(0o755)
+        # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py);
+        # a worker of a scaled-out run has its range from its run instead (uid_base); a
+        # sandbox that starts no process as a uid (the simulator's) needs none
+        if self.config.uid_base == AGENT_UID_BASE and isinstance(self.sandbox, Sandbox):
+            self._uids = lease_uids(len(self.todo))
+        reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
         try:
             await self._run_all()
-        except* EngineDead as group:
-            raise _first_leaf(group) from None
+        except* (EngineDead, RunFolderWriteError) as group:
+            raise _first_leaf(group) from None  # stops the batch; the rest runs on resume
         finally:
             await self.sandbox.aclose()  # no tool process outlives the batch
             remove_tree(self._ws_root)
+            reaper.close()
+            if self._uids is not None:
+                self._uids.close()
         self.controller.step()  # a last control line with the final counts
         return self.totals
 
@@ -230,18 +255,28 @@ class Batch:
             ui = tg.create_task(self.progress.run(self.status)) if self.progress else None
             async with asyncio.TaskGroup() as agents:
                 for i, task in enumerate(self.todo):
-                    agents.create_task(self._run_one(i, task))
+                    self._agent_tasks[task.id] = agents.create_task(self._run_one(i, task))
                 if self.source is not None:
                     agents.create_task(self._pull(self.source, agents))
             control.cancel()
             if ui:
                 ui.cancel()
 
+    def stop_admitting(self) -> int:
+        """Drain (on a signal): cancel every agent that holds no slot (not recorded: it runs
+        again on resume); the admitted ones go on. -> how many go on."""
+        going_on = self._agent_gate.stop_admitting()
+        running = [k for k, t in self._agent_tasks.items() if not t.done()]
+        for key in running:
+            if key not in going_on:
+                self._agent_tasks[key].cancel()
+        return sum(1 for k in running if k in going_on)
+
     async def _pull(self, source: TaskSource, agents: asyncio.TaskGroup) -> None:
         """Source mode: take tasks while the gate has room (its window, plus PREFETCH agents
         ready to take a freed slot), until the source has no more. Agents in a tool call
         between requests (request-unit policies) hold no claim, as in one process."""
-        while True:
+        while not self._agent_gate.draining:  # a signal stops the pulling too
             c = self.gate.counts()
             room = self.gate.window + PREFETCH - (c["active"] + c["paused"] + c["pending"])
             if room > 0:
@@ -251,7 +286,7 @@ class Batch:
                 for task in tasks:
                     self.todo.append(task)
                     self.gate.register(task.id)  # in arrival order, which is task order
-                    agents.create_task(self._run_sourced(task))
+                    self._agent_tasks[task.id] = agents.create_task(self._run_sourced(task))
                 if tasks:
                     continue
             self._room.clear()
@@ -336,7 +371,7 @@ class Batch:
     async def _run_one(self, index: int, task: Task) -> None:
         """Everything about one agent, end to end. Never raises (except cancellation)."""
         t0 = self._started[task.id] = asyncio.get_running_loop().time()
-        uid = self.config.uid_base + index
+        uid = self._uids.uid(index) if self._uids else self.config.uid_base + index
         ws = self._ws_root / task.id
         ctx = ToolContext(ws, uid, self.sandbox, self.config.limits)
         sampling = self._sampling(task)
@@ -355,12 +390,13 @@ class Batch:
                 key=task.id,
                 task=task,
                 engine=self.engine,
-                gate=self.gate,
+                gate=self._agent_gate,
                 tools=tools,
                 tool_ctx=ctx,
                 sampling=sampling,
                 max_steps=self._max_steps(task),
                 on_request=functools.partial(self._on_request, task.id),
+                on_retry=self._on_retry,
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
             self._agents[task.id] = agent
@@ -381,15 +417,15 @@ class Batch:
             log.exception("agent %s crashed", task.id)
             status, reason, answer = "error", f"{type(e).__name__}: {e}", None
         finally:
-            self.gate.finish(task.id)
+            self._agent_gate.finish(task.id)
         try:
             await self.engine.end_agent(task.id)
         except Exception as e:  # releasing engine state must not lose the record
             log.warning("engine could not release agent %s: %s", task.id, e)
         try:
             await self._finish_record(task, ctx, agent, record, status, reason, answer, t0)
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, RunFolderWriteError):
+            raise  # a run folder that cannot be written stops the batch (not one agent)
         except Exception as e:  # recording must never end the batch: keep a minimal record
             log.exception("could not record agent %s in full", task.id)
             minimal = self._new_record(task, sampling)
@@ -500,6 +536,9 @@ class Batch:
         return await evaluate(
             self.sandbox, task, ctx.workspace, ctx.uid, self.config.limits, self.config.eval_timeout
         )
+
+    def _on_retry(self) -> None:
+        self.totals.retries += 1
 
     def _on_request(self, key: str, gen: Generation, fresh: int) -> None:
         self._engine_failures = 0  # the engine works

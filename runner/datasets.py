@@ -4,6 +4,7 @@ written by `datasets`' `save_to_disk`, and CSV files whose errors name file line
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -95,6 +96,20 @@ def read_saved_dataset(path: Path, split: str) -> list[Any]:
     return list(ds)
 
 
+def decode_whole(location: str) -> str:
+    """The file as text, or ValueError naming the line of the first byte that is not
+    UTF-8 (a CSV record can span lines, so one bad byte cannot cost just one record)."""
+    data = Path(location).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{location}:{line}: not UTF-8 (byte 0x{data[e.start]:02x}); convert the file "
+            "to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def read_csv(location: str) -> tuple[list[dict[str, Any] | BadRecord], list[int]]:
     """-> (records, the file line each record starts on). Every cell as the text it is (a
     type-inferring reader turns an `eval` of "true" into a bool and an id of "007" into 7);
@@ -103,7 +118,7 @@ def read_csv(location: str) -> tuple[list[dict[str, Any] | BadRecord], list[int]
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # `files` cells can be large
     records: list[dict[str, Any] | BadRecord] = []
     lines: list[int] = []
-    with open(location, encoding="utf-8-sig", errors="replace", newline="") as f:
+    with io.StringIO(decode_whole(location), newline="") as f:
         reader = csv.DictReader(f)
         try:
             columns = len(reader.fieldnames or ())  # reads the header

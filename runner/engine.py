@@ -72,6 +72,11 @@ class EngineError(RuntimeError):
     """A request failed inside the engine; the agent that sent it fails, the batch goes on."""
 
 
+class TransientEngineError(EngineError):
+    """A failure that may not recur: a timeout, an aborted or retracted request, an
+    out-of-memory abort, a lost connection. Retried with backoff (runner/retries.py)."""
+
+
 class ContextLimitExceeded(EngineError):
     """The prompt plus the requested output do not fit the engine's context window."""
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import AGENT_UID_BASE, CommandSandbox, move_tree, remove_tree
+from tools.sandbox import CommandSandbox, lease_uids, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
 from .records import eval_field, eval_reward
@@ -96,11 +96,12 @@ async def _run_all(
     # it is moved into a 0755 temp dir for its eval, and back.
     tmp_root = Path(tempfile.mkdtemp(prefix="concur-eval-"))
     tmp_root.chmod(0o755)
+    uids = lease_uids(len(tasks))  # the kernel frees them when this process ends
 
     async def one(i: int, task: Task) -> tuple[str, dict[str, Any] | None]:
         async with sem:
             try:
-                return task.id, await _eval_one(task, ws_dir / task.id, AGENT_UID_BASE + i)
+                return task.id, await _eval_one(task, ws_dir / task.id, uids.uid(i))
             except Exception as e:  # one bad workspace or command must not stop the others
                 log.warning("task %s: eval failed: %s: %s", task.id, type(e).__name__, e)
                 return task.id, {

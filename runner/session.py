@@ -17,7 +17,8 @@ from typing import Any
 
 from .batch import Batch, EngineDead
 from .engine import Engine
-from .store import RunStore
+from .stopping import DEFAULT_GRACE_SECONDS, SignalStop
+from .store import RunFolderWriteError, RunStore
 from .summary import build_summary
 
 log = logging.getLogger("concur")
@@ -29,7 +30,7 @@ LoopRunner = Callable[[Coroutine[Any, Any, float]], float]
 @dataclass
 class Outcome:
     summary: dict[str, Any]
-    exit_code: int  # 0 done, 1 the engine died, 130 interrupted
+    exit_code: int  # 0 done, 1 the engine died, 128+N stopped by signal N (130 SIGINT, 143 SIGTERM)
 
 
 def execute(
@@ -41,6 +42,7 @@ def execute(
     invalid_records: int,
     config: dict[str, Any],
     run_loop: LoopRunner | None = None,
+    grace: float = DEFAULT_GRACE_SECONDS,
 ) -> Outcome:
     """Run `batch` to its end (or interruption) and write its summary. Re-raises what no
     record can describe (a crash of the runner itself) after the summary is written."""
@@ -49,8 +51,18 @@ def execute(
     wall0 = time.monotonic()
     batch_seconds = 0.0
     interrupted, code = False, 0
+    # Wall-clock runs stop on SIGINT/SIGTERM with a drain; a virtual-time run has no grace
+    # period to give, so it keeps asyncio's own SIGINT handling (KeyboardInterrupt).
+    stop = None if virtual else SignalStop(grace)
     try:
-        batch_seconds = runner(_run(batch, engine))
+        batch_seconds = runner(_run(batch, engine, stop))
+        if stop is not None and stop.received is not None:
+            interrupted, code = True, stop.exit_code
+            log.warning(
+                "stopped by %s%s: finished agents are saved; run the same command to resume",
+                stop.received.name,
+                " before the agents in flight could finish" if stop.hard else "",
+            )
     except KeyboardInterrupt:
         interrupted, code = True, 130
         log.warning("interrupted: finished agents are saved; run the same command to resume")
@@ -59,6 +71,13 @@ def execute(
         log.error(
             "%s: the batch stopped. Finished agents are saved; the agents in flight and those "
             "that failed on the engine run again when you rerun the command",
+            e,
+        )
+    except RunFolderWriteError as e:
+        interrupted, code = True, 1
+        log.error(
+            "%s. The batch stopped: every record reported written is on disk; free space "
+            "and run the same command to resume",
             e,
         )
     except BaseException:
@@ -79,11 +98,23 @@ def execute(
             interrupted=interrupted,
             config=config,
         )
+        if stop is not None and stop.received is not None:
+            summary["stopped_by"] = stop.received.name
+        summary["engine_retries"] = batch.totals.retries
         store = batch.store
         assert isinstance(store, RunStore), "a session's batch writes to a run folder"
-        store.write_summary(summary)
-        plot_timeline(store.root)
+        if _write_summary(store, summary):
+            plot_timeline(store.root)
     return Outcome(summary, code)
+
+
+def _write_summary(store: RunStore, summary: dict[str, Any]) -> bool:
+    try:
+        store.write_summary(summary)
+        return True
+    except RunFolderWriteError as e:  # the records are the truth; the summary is a view
+        log.error("%s: no summary.json this time (the next run writes it)", e)
+        return False
 
 
 def plot_timeline(root: Path) -> None:
@@ -96,11 +127,25 @@ def plot_timeline(root: Path) -> None:
         log.warning("could not draw %s: %s: %s", root / "timeline.png", type(e).__name__, e)
 
 
-async def _run(batch: Batch, engine: Engine) -> float:
-    """-> seconds of loop time the batch took."""
-    t0 = asyncio.get_running_loop().time()
+async def _run(batch: Batch, engine: Engine, stop: SignalStop | None) -> float:
+    """-> seconds of loop time the batch took. With `stop`, SIGINT and SIGTERM drain the
+    batch (runner/stopping.py) instead of ending the process."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    main = asyncio.current_task()
+    assert main is not None
+    if stop is not None:
+        stop.install(loop, batch.stop_admitting, main.cancel)
     try:
         await batch.run()  # ends every tool process before returning
+    except asyncio.CancelledError:
+        if stop is None or not stop.hard:
+            raise
+        main.uncancel()  # our own stop: the batch has torn down; report it
     finally:
-        await engine.aclose()
-    return asyncio.get_running_loop().time() - t0
+        try:
+            await engine.aclose()
+        finally:
+            if stop is not None:
+                stop.uninstall(loop)
+    return loop.time() - t0

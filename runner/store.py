@@ -12,19 +12,28 @@
   renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
+
+A write that fails (disk full, I/O error) raises RunFolderWriteError naming the file and the
+free space, after cutting the file back to where it was (appends) or removing the temp file
+(replacements): what was reported written stays, nothing half-written is left. The batch
+stops on it (runner/session.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 2  # runner/records.py: FORMAT
+log = logging.getLogger("concur")
 
 
 def _repair(path: Path) -> int:
@@ -42,47 +51,71 @@ def _repair(path: Path) -> int:
         return len(data) - keep
 
 
-def _append(path: Path, record: dict[str, Any]) -> None:
-    # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
-    # reads back unchanged, instead of an encoding error that would lose the record
-    line = _dumps(record).encode("utf-8", "backslashreplace")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+class RunFolderWriteError(OSError):
+    """A write to the run folder failed (disk full, I/O error): the batch must stop. The
+    message names the file and the free space; nothing half-written is left."""
+
+
+def _write_error(path: Path, e: OSError) -> RunFolderWriteError:
     try:
-        written = os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
-        while written < len(line):  # a short write (disk nearly full): finish the line
-            written += os.write(fd, line[written:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    err = RunFolderWriteError(f"cannot write {path}: {e.strerror or e} ({free} on its filesystem)")
+    err.errno = e.errno  # the message alone in str(), the cause still inspectable
+    return err
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    """One line, written whole and fsync'd before this returns."""
+    _append_many(path, [record])
 
 
 def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append several lines, each with one write(), then one fsync for all of them (a driver
-    writing a worker's report: one sync per report, not per line)."""
+    """Append lines, each with one write(), then one fsync for all of them (a driver writing
+    a worker's report: one sync per report, not per line). On failure the file is cut back
+    to where it was: the lines are either all there (and synced) or none is."""
     if not records:
         return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        for record in records:
-            line = _dumps(record).encode("utf-8", "backslashreplace")
-            written = os.write(fd, line)
-            while written < len(line):
-                written += os.write(fd, line[written:])
-        os.fsync(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _write_error(path, e) from None
+    try:
+        size = os.fstat(fd).st_size  # one writer per run folder (the lock): stays valid
+        try:
+            for record in records:
+                # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON
+                # escape that reads back unchanged, instead of an error losing the record
+                line = _dumps(record).encode("utf-8", "backslashreplace")
+                written = os.write(fd, line)  # one write per line: O_APPEND keeps it whole
+                while written < len(line):  # a short write (disk nearly full): finish it
+                    written += os.write(fd, line[written:])
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)  # no torn line left behind
+            raise _write_error(path, e) from None
     finally:
         os.close(fd)
 
 
 def _replace_durably(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, rename it over `path`, fsync the
-    folder: a crash leaves the old file or the new one, never a mix or an empty one."""
+    folder: a crash leaves the old file or the new one, never a mix or an empty one; a failed
+    write (disk full) leaves the old file and no temp file."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _write_error(path, e) from None
 
 
 def _lines_backwards(f: Any, end: int) -> Iterator[tuple[int, bytes]]:
@@ -115,6 +148,13 @@ def _fsync_dir(folder: Path) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     _replace_durably(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return a == b or Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def _dumps(record: dict[str, Any]) -> str:
@@ -150,6 +190,7 @@ class RunStore:
             _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
         )
         self.finished: dict[str, dict[str, Any]] = {}
+        self._known_errors: set[str] | None = None  # errors.jsonl's records, read when needed
         self._load()
         self.repaired_bytes += self._cut_orphan_rollout()
 
@@ -253,11 +294,15 @@ class RunStore:
                 self.finished[tid] = new
         _replace_durably(self.trajectories, "".join(out))
 
-    def bind_source(self, source: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
+    def bind_source(
+        self, source: str, record: dict[str, Any] | None = None, sha256: str | None = None
+    ) -> dict[str, Any]:
         """Record which dataset this run folder belongs to; refuse another one (task ids
-        like "0", "1" would otherwise be taken as finished). The first run also writes its
-        `record` (config, versions, ...) into run.json, which is never rewritten. Returns
-        run.json's content."""
+        like "0", "1" would otherwise be taken as finished). A local dataset is its resolved
+        path or its content (`sha256`): the same file typed another way, or moved, is the same
+        dataset; an edited one at the same path too (a fixed record runs), with a warning.
+        The first run also writes its `record` (config, versions, ...) into run.json, which
+        is otherwise only updated for the dataset's path and hash. Returns run.json's content."""
         meta = self.root / "run.json"
         if meta.exists():
             try:
@@ -266,15 +311,31 @@ class RunStore:
                 known = None
             if not isinstance(known, dict):
                 return {}
-            if known.get("source") is not None and known["source"] != source:
-                raise RunFolderBusy(
-                    f"{self.root} holds a run of {known['source']}, not of {source}: pass "
-                    "another --out"
-                )
+            if known.get("source") is not None:
+                return self._same_source(meta, known, source, sha256)
             return known
-        first = {"format": FORMAT_VERSION, "source": source, **(record or {})}
+        first = {"format": FORMAT_VERSION, "source": source, "sha256": sha256, **(record or {})}
         write_json_atomic(meta, first)
         return first
+
+    def _same_source(
+        self, meta: Path, known: dict[str, Any], source: str, sha256: str | None
+    ) -> dict[str, Any]:
+        same_path = _same_path(known["source"], source)
+        if not (same_path or (sha256 is not None and known.get("sha256") == sha256)):
+            raise RunFolderBusy(
+                f"{self.root} holds a run of {known['source']}, not of {source}: pass another --out"
+            )
+        if known.get("sha256") not in (None, sha256):
+            log.warning(
+                "%s changed since this run folder was started: finished tasks keep their "
+                "records, the others run from the file as it is now",
+                source,
+            )
+        if (known["source"], known.get("sha256")) != (source, sha256):
+            known = {**known, "source": source, "sha256": sha256}
+            write_json_atomic(meta, known)
+        return known
 
     def add_record(self, name: str, record: dict[str, Any]) -> None:
         """One line of another record file of this folder (rollouts.jsonl), written before
@@ -288,6 +349,27 @@ class RunStore:
 
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
+
+    def add_error_once(self, record: dict[str, Any]) -> bool:
+        """add_error unless errors.jsonl already holds this very record (the same bad task
+        record is found again on every rerun). -> whether it was written."""
+        if self._known_errors is None:
+            self._known_errors = set()
+            if self.errors.exists():
+                with self.errors.open(encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        try:
+                            rec = json.loads(line)
+                            rec.pop("time", None)
+                            self._known_errors.add(_dumps(rec))
+                        except (json.JSONDecodeError, AttributeError):
+                            continue
+        key = _dumps(record)
+        if key in self._known_errors:
+            return False
+        self._known_errors.add(key)
+        self.add_error(record)
+        return True
 
     def add_control(self, line: dict[str, Any]) -> None:
         """One control period's line (not fsync'd: a lost last period loses no work)."""

@@ -7,6 +7,7 @@ run. SWE-bench-style records on a local repository: runner/swebench.py.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def resolve_source(spec: str) -> tuple[str, str]:
                 raise TaskSourceError(
                     f"{c}: unsupported file type {c.suffix!r}; use .jsonl, .json, .parquet or .csv"
                 )
-            return kind, str(c)
+            return kind, str(c.resolve())  # one name however the path was typed
     if p.suffix.lower() in LOCAL_SUFFIXES or spec.startswith((".", "/")):
         tried = " or ".join(str(c) for c in candidates)
         raise TaskSourceError(f"task file not found: {tried}")
@@ -186,8 +187,13 @@ _BLANK = object()  # a blank JSONL line: skipped, but it keeps the line numberin
 def _read_jsonl(location: str) -> list[Any]:
     """Per line, so one bad line costs one task, and errors name the line."""
     out: list[Any] = []
-    with open(location, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(location, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # never replaced silently: ids would change
+                out.append(_Bad(_not_utf8(raw, e)))
+                continue
             if not line.strip():
                 out.append(_BLANK)  # keeps numbering; skipped silently
                 continue
@@ -201,6 +207,10 @@ def _read_jsonl(location: str) -> list[Any]:
 _Bad = BadRecord
 
 
+def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
+    return f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"
+
+
 def _norm(key: str, value: Any) -> Any:
     """CSV/Parquet store nested fields as JSON strings or NaN-like empties: undo that.
     Only nested fields: a prompt or eval command that happens to look like JSON stays text."""
@@ -212,6 +222,27 @@ def _norm(key: str, value: Any) -> Any:
     if value != value:  # NaN
         return None
     return value
+
+
+# Ids name files and folders (workspaces, kept workspaces): a name is at most 255 bytes on
+# Linux filesystems; the rest is room for suffixes.
+MAX_ID_BYTES = 200
+
+
+def check_id(tid: str) -> None:
+    """ValueError unless `tid` can be a file name as it is: not too long, no path separators,
+    no control characters, no surrounding blanks, not "." or ".."."""
+    size = len(tid.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise ValueError(f'"id" is {size} bytes long; at most {MAX_ID_BYTES} (ids name files)')
+    bad = sorted({c for c in tid if c in "/\\" or unicodedata.category(c) in ("Cc", "Cs")})
+    if bad:
+        raise ValueError(
+            f'"id" {tid!r} contains {", ".join(repr(c) for c in bad)}: no "/", "\\", '
+            "control characters or lone surrogates (ids name files)"
+        )
+    if tid in (".", "..") or tid != tid.strip():
+        raise ValueError(f'"id" {tid!r} must not be "." or ".." nor start or end with blanks')
 
 
 def validate(rec: Any, base: Path | None = None) -> Task:
@@ -231,8 +262,7 @@ def validate(rec: Any, base: Path | None = None) -> Task:
         )
     if not isinstance(tid, str):
         raise ValueError(f'"id" must be a string or an integer, got {type(tid).__name__}')
-    if any(c in tid for c in "/\\\0") or tid in (".", ".."):
-        raise ValueError(f'"id" {tid!r} must not contain "/", "\\" or NUL')
+    check_id(tid)
     prompt, msgs, system = rec.get("prompt"), rec.get("messages"), rec.get("system")
     if (prompt is None) == (msgs is None):
         raise ValueError(

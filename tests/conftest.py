@@ -26,11 +26,14 @@ def small_tasks(path: Path, n: int, max_steps: int = 2) -> Path:
     return path
 
 
-def run_cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(
+    *args: str, timeout: float = 600, check: bool = True, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the worktree's code wins over the editable install wherever cwd is
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,

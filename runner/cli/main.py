@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
 
 from ..batch import Batch, BatchConfig
@@ -26,8 +25,9 @@ from ..engine import SamplingParams
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
-from ..store import RunFolderBusy, RunStore
+from ..store import RunFolderBusy, RunFolderWriteError, RunStore
 from ..tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
+from .checks import check_options, tool_names
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
 from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
@@ -49,6 +49,7 @@ class Plan:
     sandbox: CommandSandbox | None = None  # None: the one --sandbox asks for
     setup: EngineSetup | None = None  # None: built from ENGINES once the run folder is ours
     run_loop: LoopRunner | None = None  # None: asyncio.run (wall clock)
+    sha256: str | None = None  # the dataset file's content (None: hub or simulated)
 
 
 def report(argv: list[str]) -> int:
@@ -73,11 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         return SUBCOMMANDS[argv[0]](argv[1:])
     args = config_args(build_parser(), argv)
     try:
-        policy = policy_from_args(args)
+        return _main(args)
+    except RunFolderWriteError as e:  # before the batch (in it, the session reports it)
+        print(f"run.py: error: {e}; free space and run again", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
         check_options(args)
+        policy = policy_from_args(args)
         plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
     except (ValueError, OSError) as e:  # TaskSourceError is a ValueError
         return fail(str(e))
+    if not plan.tasks:
+        return fail(nothing_to_run(plan))
     if args.eval_only and not (plan.out / "trajectories.jsonl").is_file():
         return fail(
             f"--eval-only: {plan.out} holds no trajectories.jsonl; pass the run folder (--out)"
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = RunStore(plan.out)
         config = resolved(args)
-        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)))
+        meta = store.bind_source(plan.source, run_record(config, Path(plan.source)), plan.sha256)
     except RunFolderBusy as e:
         return fail(str(e))
     problem = check_resume(meta, config, args.eval_only, plan.out)
@@ -132,6 +143,7 @@ def run(
         invalid_records=sum(1 for err in plan.bad if err.line > 0),  # not --task-ids'
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         run_loop=plan.run_loop,
+        grace=args.grace_seconds,
     )
     s = outcome.summary
     log.info(
@@ -180,30 +192,6 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         raise ValueError(f"--policy {args.policy}: {e}") from None
 
 
-def check_options(args: argparse.Namespace) -> None:
-    if args.control_period <= 0:
-        raise ValueError(f"--control-period must be > 0, got {args.control_period}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
-    if args.limit is not None and args.limit < 0:
-        raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    unknown = [t for t in tool_names(args) if t not in TOOL_REGISTRY]
-    if unknown:
-        raise ValueError(f"--tools: unknown {unknown}; available: {sorted(TOOL_REGISTRY)}")
-    if args.replay_from and args.engine != "replay":
-        raise ValueError("--replay-from needs --engine replay")
-    if args.samples < 1:
-        raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    if args.ray is not None or args.workers is not None:
-        from .scaleout import check_ray_options
-
-        check_ray_options(args)
-
-
-def tool_names(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(t.strip() for t in args.tools.split(",") if t.strip())
-
-
 # ---- plans --------------------------------------------------------------------------------
 
 
@@ -215,6 +203,11 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
     tasks, bad, source = load_tasks(args.tasks, args.limit, ids, args.split, fmap)
     tasks = expand_samples(tasks, args.samples)
     local = Path(source).exists()  # a file or a save_to_disk folder
+    sha256 = None
+    if local:  # one dataset however its path was typed (run.json keeps both)
+        source = str(Path(source).resolve())
+        if Path(source).is_file():
+            sha256 = hashlib.sha256(Path(source).read_bytes()).hexdigest()
     out = args.out or OUTPUTS / (Path(source).stem if local else source.replace("/", "_"))
     config = BatchConfig(
         max_steps=args.max_steps or BatchConfig.max_steps,
@@ -235,7 +228,21 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         eval_timeout=args.eval_timeout,
         rollouts=not args.no_rollouts,
     )
-    return Plan(tasks, bad, source, out, config)
+    return Plan(tasks, bad, source, out, config, sha256=sha256)
+
+
+def nothing_to_run(plan: Plan) -> str:
+    """The message for a dataset (or selection) without one valid task, with the counts."""
+    invalid = [e for e in plan.bad if e.line > 0]
+    msg = f"no task to run from {plan.source}: 0 valid, {len(invalid)} invalid records"
+    notes = [e for e in plan.bad if e.line == 0]  # --task-ids not found, unknown fields
+    for e in invalid[:5]:
+        msg += f"\n  line {e.line}: {e.reason}"
+    if len(invalid) > 5:
+        msg += f"\n  ... and {len(invalid) - 5} more"
+    for e in notes:
+        msg += f"\n  {e.reason}"
+    return msg
 
 
 def simulation_plan(args: argparse.Namespace) -> Plan:
@@ -292,16 +299,34 @@ def workspace_root(out: Path) -> Path:
 
 
 def report_bad_records(store: RunStore, bad: list[RecordError]) -> None:
+    known = 0
     for err in bad:
-        store.add_error(err.to_json())
+        if not store.add_error_once(err.to_json()):  # recorded by an earlier run already
+            known += 1
+            continue
         if err.line > 0:
             log.warning("skipping task record %s:%d: %s", err.source, err.line, err.reason)
         else:
             log.warning("%s: %s", err.source, err.reason)
+    if known:
+        log.warning("%d dataset problems, as reported before (see %s)", known, store.errors)
     if store.repaired_bytes:
         log.warning(
             "repaired a torn last line (%d bytes) left by an interrupted run", store.repaired_bytes
         )
+
+
+class _RunLogHandler(logging.FileHandler):
+    """run.log; a failed write (disk full) is said once on stderr, not as a traceback per
+    line ("--- Logging error ---"): the run folder's own write error stops the batch."""
+
+    _failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._failed:
+            self._failed = True
+            e = sys.exc_info()[1]
+            print(f"run.py: cannot write {self.baseFilename}: {e}", file=sys.stderr)
 
 
 def setup_logging(path: Path, quiet: bool) -> None:
@@ -312,7 +337,7 @@ def setup_logging(path: Path, quiet: bool) -> None:
     err = logging.StreamHandler(sys.stderr)
     err.setLevel(logging.WARNING if quiet else logging.INFO)
     err.setFormatter(fmt)
-    f = logging.FileHandler(path, encoding="utf-8")
+    f = _RunLogHandler(path, encoding="utf-8")
     f.setFormatter(fmt)
     root.addHandler(err)
     root.addHandler(f)

@@ -18,6 +18,7 @@ from ..engines.sglang import add_sglang_arguments
 from ..gate import PAUSE_RULES, RESUME_RULES
 from ..policies import AIMD, describe
 from ..policies import REGISTRY as POLICIES
+from ..stopping import DEFAULT_GRACE_SECONDS
 from ..tasks import KNOWN_FIELDS
 from .engines import ENGINE_NAMES
 
@@ -269,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run no agents: score an existing run folder again (its `eval` per task and "
         "summary.json), over the workspaces kept by a --keep-workspaces run",
+    )
+
+    g = p.add_argument_group("stopping")
+    g.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        help="on SIGTERM or SIGINT: admit no more agents, give those in flight this long to "
+        "finish (a second signal stops at once), then stop; exit 143 (SIGTERM) or 130",
     )
 
     g = p.add_argument_group("outputs (docs/outputs.md)")

@@ -10,7 +10,9 @@ Design, and what is and is not contained: docs/sandbox.md. The modules, each one
 - cgroups.py: the per-agent cgroup v1 memory groups;
 - bwrap.py: the command line (prlimit, setpriv, bwrap flags, the environment inside) and the
   startup probe;
-- sandboxes.py: Sandbox, BwrapSandbox, UnsandboxedSandbox and make_sandbox.
+- sandboxes.py: Sandbox, BwrapSandbox, UnsandboxedSandbox and make_sandbox;
+- uids.py: agent uids leased per run from a host-wide registry (lock file per uid block);
+- reaper.py: the process beside each run that kills and removes what it leaves if killed.
 
 The names below are the public interface; everything else is internal to this package.
 """
@@ -19,6 +21,7 @@ from .bwrap import probe_bwrap
 from .filesystem import move_tree, remove_tree
 from .limits import AGENT_UID_BASE, CommandSandbox, ExecResult, Limits, SandboxUnavailable
 from .sandboxes import BwrapSandbox, Sandbox, UnsandboxedSandbox, make_sandbox
+from .uids import UidLease, UidsExhausted, lease_uids, start_reaper
 
 __all__ = [
     "AGENT_UID_BASE",
@@ -28,9 +31,13 @@ __all__ = [
     "Limits",
     "Sandbox",
     "SandboxUnavailable",
+    "UidLease",
+    "UidsExhausted",
     "UnsandboxedSandbox",
+    "lease_uids",
     "make_sandbox",
     "move_tree",
     "probe_bwrap",
     "remove_tree",
+    "start_reaper",
 ]

@@ -10,9 +10,11 @@ import atexit
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from .limits import Limits
+from .reaper import kill_cgroup, remove_cgroup
 
 log = logging.getLogger("concur.sandbox")
 
@@ -30,7 +32,7 @@ class _MemoryCgroups:
                 _CGROUP_MEMORY, os.W_OK
             ):
                 _remove_stale_cgroups()
-                root = _CGROUP_MEMORY / f"concur-{os.getpid()}"
+                root = cgroup_folder()
                 root.mkdir(exist_ok=True)
                 self.root = root
                 atexit.register(self.close)
@@ -66,15 +68,20 @@ class _MemoryCgroups:
 
 
 def _remove_stale_cgroups() -> None:
-    """Groups left by runner processes that are gone (killed before they could clean up)."""
+    """Groups left by runner processes that are gone (killed before they could clean up):
+    what still runs in them is killed first (a group with a process cannot be removed)."""
     for d in _CGROUP_MEMORY.glob("concur-*"):
         pid = d.name.removeprefix("concur-")
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            for sub in d.glob("u*"):
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            if kill_cgroup(d):
+                log.warning("killed processes left in %s by a dead run", d)
+                time.sleep(0.05)  # SIGKILLed processes leave their group when reaped
+            remove_cgroup(d)
+
+
+def cgroup_folder() -> Path:
+    """Where this process's memory groups go (made on first use, if the host has them)."""
+    return _CGROUP_MEMORY / f"concur-{os.getpid()}"
 
 
 _CGROUPS: _MemoryCgroups | None = None  # one per process, made on first use

@@ -1,0 +1,174 @@
+"""The reaper: a small process beside each batch that cleans up after it if it is killed.
+
+Parent-death signals alone do not tie every sandbox process to the runner: bwrap's sandbox
+child sets its own only at the end of its setup, so a runner killed while a command starts
+leaves that child orphaned, in its own namespaces, for good (and in the runner's cgroup, so
+that stays too). So the batch starts this reaper (in its own session: a terminal's Ctrl-C
+does not reach it) with the read end of a pipe only the runner writes to. When the runner
+ends cleanly it says "done" first and the reaper just exits. When the runner dies, the read
+gets EOF without "done": the reaper SIGKILLs every process of the run's leased uids and of
+its cgroup (until none is left), removes its live-workspace folder and cgroup, and exits.
+It inherits the run's uid-lease locks, so those uids are not leased again before it is
+through.
+
+Stdlib only, and run as a script (`python reaper.py ...`): it must not import the project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+DONE = b"done"
+
+
+def process_uids() -> Iterable[tuple[int, int]]:
+    """(pid, real uid) of every process, from /proc (a process may end while we read)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        yield int(entry.name), int(line.split()[1])
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+
+
+def kill_uid_processes(uids: Iterable[range]) -> int:
+    """SIGKILL every live (not zombie) process whose real uid is in one of the ranges;
+    -> how many."""
+    ranges = list(uids)
+    killed = 0
+    for pid, uid in process_uids():
+        if any(uid in r for r in ranges) and not _zombie(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def kill_cgroup(root: Path) -> int:
+    """SIGKILL every process in the cgroup tree under `root`, then remove its groups."""
+    killed = 0
+    for procs in root.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError):
+            for pid in procs.read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed += 1
+    return killed
+
+
+def remove_cgroup(root: Path) -> None:
+    for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    with contextlib.suppress(OSError):
+        root.rmdir()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
+def clean_up(uids: list[range], cgroup: Path | None, workspaces: Path | None) -> None:
+    """Kill until nothing is left (a process may fork while the first pass runs), then
+    remove the folders. Bounded: a process in uninterruptible sleep must not hang us."""
+    for _ in range(50):
+        n = kill_uid_processes(uids) if uids else 0
+        n += kill_cgroup(cgroup) if cgroup is not None and cgroup.exists() else 0
+        if n == 0:
+            break
+        time.sleep(0.05)
+    if workspaces is not None and workspaces.exists():
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workspaces)], check=False)
+    if cgroup is not None and cgroup.exists():
+        remove_cgroup(cgroup)
+
+
+def main(argv: list[str]) -> int:
+    """argv: PIPE_FD UID_RANGES CGROUP WORKSPACES; UID_RANGES "first-end,..." (end
+    excluded); '-': none."""
+    fd, ranges, cgroup, workspaces = argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe decides
+    got = b""
+    while True:
+        try:
+            chunk = os.read(int(fd), 64)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        got += chunk
+    if got.endswith(DONE):
+        return 0
+    clean_up(
+        [range(int(a), int(b)) for a, b in (r.split("-") for r in ranges.split(","))]
+        if ranges != "-"
+        else [],
+        Path(cgroup) if cgroup != "-" else None,
+        Path(workspaces) if workspaces != "-" else None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+class Reaper:
+    """The runner's side: start it with the run's uid ranges, cgroup, workspace folder and
+    the lease's lock descriptors (inherited, so the uids stay leased until it is through);
+    `close()` at a clean end."""
+
+    def __init__(
+        self,
+        uids: list[range],
+        cgroup: Path | None,
+        workspaces: Path | None,
+        keep_fds: Iterable[int] = (),
+    ) -> None:
+        r, self._w = os.pipe()  # both close-on-exec: only the reaper gets r, nobody gets w
+        spec = ",".join(f"{u.start}-{u.stop}" for u in uids) or "-"
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-I",
+                    __file__,
+                    str(r),
+                    spec,
+                    str(cgroup or "-"),
+                    str(workspaces or "-"),
+                ],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                pass_fds=(r, *keep_fds),
+                start_new_session=True,
+            )
+        finally:
+            os.close(r)
+
+    def close(self) -> None:
+        """The runner cleaned up itself: tell the reaper to do nothing."""
+        if self._w < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._w, DONE)
+        os.close(self._w)
+        self._w = -1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)

@@ -160,12 +160,15 @@ def _mark_phases(ax: Any, s: Series, ph: Phases) -> None:
     ax.axvline(ph.cooldown_start, color="#b279a2", lw=0.8)
     if ax.get_subplotspec().is_first_row():
         tr = ax.get_xaxis_transform()
-        for x, label in (
-            (start, "warmup"),
-            (ph.warmup_end, "middle"),
-            (ph.cooldown_start, "cooldown"),
+        # each label centred on its phase, so a short warmup does not overprint "middle"
+        for a, b, label in (
+            (start, ph.warmup_end, "warmup"),
+            (ph.warmup_end, ph.cooldown_start, "middle"),
+            (ph.cooldown_start, ph.end, "cooldown"),
         ):
-            ax.text(x, 0.98, f" {label}", transform=tr, va="top", fontsize=8, color="#333")
+            if b > a:
+                ax.text((a + b) / 2, 0.98, label, transform=tr, ha="center", va="top",
+                        fontsize=8, color="#333")  # fmt: skip
 
 
 def _nan(values: list[float | None]) -> list[float]:

@@ -44,6 +44,12 @@ def run_cli(
     return p
 
 
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    """One JSON object per line (a task dataset, a trace, a run's records)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -21,7 +21,7 @@ from tools.core import ToolContext
 from tools.registry import get_tools
 from tools.sandbox import AGENT_UID_BASE, BwrapSandbox, Limits
 
-from .conftest import SWE, read_jsonl, run_cli
+from .conftest import SWE, read_jsonl, run_cli, write_jsonl
 
 # Every call but the fork bomb and the CPU loop (killed at it) must end within the tool
 # timeout, 15 agents at once, git setup and submit included. 3 s was too tight on a loaded
@@ -190,7 +190,7 @@ def test_attacks_contained_in_a_batch(tmp_path: Path, needs_bwrap) -> None:
         tasks = [*solved_and_unsolved(), *attack_tasks(server.port, host_secret)]
         tasks.append({"id": "bystander", "prompt": "p", "replay": [python("print(6 * 7)")]})
         path = tmp_path / "attacks.jsonl"
-        path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        write_jsonl(path, tasks)
         out = tmp_path / "out"
         t0 = time.monotonic()
         run_cli(
@@ -286,7 +286,7 @@ def test_attacks_contained_in_a_batch(tmp_path: Path, needs_bwrap) -> None:
 def test_eval_only_and_replay_from(tmp_path: Path, needs_bwrap) -> None:
     tasks = solved_and_unsolved()
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    write_jsonl(path, tasks)
     out = tmp_path / "out"
     run_cli("--tasks", str(path), "--out", str(out), "--keep-workspaces", *FAST, timeout=120)
     first = {r["task_id"]: r for r in read_jsonl(out / "trajectories.jsonl")}
@@ -311,7 +311,7 @@ def test_eval_only_and_replay_from(tmp_path: Path, needs_bwrap) -> None:
     # --replay-from: the same turns again, from the first run's trajectories: same results
     for t in tasks:
         del t["replay"]
-    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    write_jsonl(path, tasks)
     out2 = tmp_path / "out2"
     run_cli("--tasks", str(path), "--out", str(out2), "--replay-from", str(out), *FAST)
     second = {r["task_id"]: r for r in read_jsonl(out2 / "trajectories.jsonl")}

@@ -3,20 +3,12 @@ without a map. Pure Python (no sandbox): the CLI cases fail before any sandbox s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from runner.datasets import FieldMapError, parse_field_map
 from runner.tasks import KNOWN_FIELDS, TaskSourceError, load_tasks
 
-from .conftest import run_cli
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+from .conftest import run_cli, write_jsonl
 
 
 def test_field_map_parses_and_names_bad_items():

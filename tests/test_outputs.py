@@ -28,7 +28,7 @@ from runner.tasks import expand_samples, validate
 from runner.template import ChatTemplate, turn_delta
 from runner.toolcall import format_call
 
-from .conftest import ROOT, read_jsonl, run_cli, small_tasks
+from .conftest import ROOT, read_jsonl, run_cli, small_tasks, write_jsonl
 
 datasets.disable_progress_bars()
 
@@ -445,7 +445,7 @@ def test_a_real_replay_run_follows_the_schema_with_eval_and_rewards(tmp_path, ne
             "replay": [call("submit", answer="x")],
         },
     ]
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    write_jsonl(tasks, recs)
     out = tmp_path / "out"
     run_cli("--tasks", str(tasks), "--out", str(out), *REPLAY)
     check_schema(out)

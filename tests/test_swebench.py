@@ -15,7 +15,7 @@ import pytest
 from runner.swebench import DEFAULT_TEST_CMD, apply_script, checkout, parse_spec, patched_paths
 from runner.tasks import load_tasks
 
-from .conftest import ROOT, read_jsonl, run_cli
+from .conftest import ROOT, read_jsonl, run_cli, write_jsonl
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 OLD_TESTS = "from calc import sub\n\n\ndef test_sub():\n    assert sub(5, 3) == 2\n"
@@ -139,7 +139,7 @@ def test_swebench_record_end_to_end(tmp_path, needs_bwrap):
         ),
     ]
     data = tmp_path / "swe.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl(data, records)
     out = tmp_path / "out"
     run_cli(
         "--tasks",

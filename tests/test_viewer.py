@@ -14,7 +14,7 @@ import pytest
 from runner.report.html import write_html
 
 from .browser import Page, chromium
-from .conftest import run_cli
+from .conftest import run_cli, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "document.body && document.body.dataset.ready"
@@ -75,7 +75,7 @@ def trajectory(task_id: str, status: str, solved: bool | None, steps: list[dict]
 def run_folder(root: Path, records: list[dict]) -> Path:
     root.mkdir(parents=True)
     (root / "run.json").write_text(json.dumps({"format": 1, "source": "tasks/t.jsonl"}))
-    (root / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl(root / "trajectories.jsonl", records)
     return root
 
 

@@ -5,6 +5,8 @@ import pytest
 from runner.engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span
 from runner.sim.workload import SimModel, Workload, synthetic
 
+from .conftest import write_jsonl
+
 
 def test_sim_tokenizer_roundtrip_and_spans():
     tok = ChatMLTokenizer()
@@ -79,7 +81,7 @@ def test_trace_from_real_trajectories(tmp_path):
         },
     ]
     p = tmp_path / "trajectories.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    write_jsonl(p, recs)
     w = Workload.from_trajectories(p)
     assert w.system_tokens == 300
     a = w.agents[0]

@@ -17,7 +17,7 @@ import pytest
 from runner.tasks import load_tasks
 from runner.workspace import WorkspaceError, populate
 
-from .conftest import read_jsonl, run_cli
+from .conftest import read_jsonl, run_cli, write_jsonl
 
 LIMIT = 10 * 2**20
 
@@ -178,7 +178,7 @@ def test_task_field_validation(tmp_path: Path) -> None:
         {"id": "replay", "prompt": "p", "replay": "not a list"},
     ]
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(path, rows)
     tasks, errors, _ = load_tasks(str(path))
     assert [t.id for t in tasks] == ["ok-dir", "ok-tar"]
     assert tasks[0].workspace == str((tmp_path / "repo").resolve())
@@ -234,7 +234,7 @@ def test_batch_from_archive_and_repo(tmp_path: Path, needs_bwrap) -> None:
     tar_with(tmp_path / "evil.tar", [(link("l", "/etc"), None), (reg("l/pwned"), b"x")])
     tasks.append({"id": "evil", "prompt": "p", "workspace": "evil.tar", "eval": "true"})
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    write_jsonl(path, tasks)
     out = tmp_path / "out"
     run_cli(
         "--tasks",

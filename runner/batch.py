@@ -183,7 +183,9 @@ class Batch:
         self._agent_tasks: dict[str, asyncio.Task[None]] = {}
         self._uids: UidLease | None = None
         self._engine_failures = 0  # consecutive agents that failed on the engine
-        # for the progress rows: the agents so far, when each started, how each ended
+        # for the progress rows: the agents so far, when each started, how each ended. Agents
+        # are kept (their whole context) only where rows are shown, i.e. for small batches.
+        self._rows_shown = len(self.todo) <= ROWS_MAX
         self._agents: dict[str, Agent] = {}
         self._started: dict[str, float] = {}
         self._ended: dict[str, tuple[str, float]] = {}
@@ -321,7 +323,7 @@ class Batch:
             u=last.get("u"),
             h=last.get("h"),
             step_budget=self._step_budget,
-            rows=self._rows() if len(self.todo) <= ROWS_MAX else (),
+            rows=self._rows() if self._rows_shown else (),
         )
 
     def _rows(self) -> tuple[TaskRow, ...]:
@@ -399,7 +401,8 @@ class Batch:
                 on_retry=self._on_retry,
                 constrain_tool_calls=self.config.constrain_tool_calls,
             )
-            self._agents[task.id] = agent
+            if self._rows_shown:
+                self._agents[task.id] = agent
             status, reason, answer = await agent.run()
         except asyncio.CancelledError:
             raise  # interrupted: not recorded, so it runs again on resume

@@ -230,8 +230,9 @@ MAX_ID_BYTES = 200
 
 
 def check_id(tid: str) -> None:
-    """ValueError unless `tid` can be a file name as it is: not too long, no path separators,
-    no control characters, no surrounding blanks, not "." or ".."."""
+    """ValueError unless `tid` can be a file name as it is (not too long, no path separators,
+    no control characters, no surrounding blanks, not "." or "..") and is no sample id
+    (no "#")."""
     size = len(tid.encode("utf-8", "surrogatepass"))
     if size > MAX_ID_BYTES:
         raise ValueError(f'"id" is {size} bytes long; at most {MAX_ID_BYTES} (ids name files)')
@@ -243,6 +244,12 @@ def check_id(tid: str) -> None:
         )
     if tid in (".", "..") or tid != tid.strip():
         raise ValueError(f'"id" {tid!r} must not be "." or ".." nor start or end with blanks')
+    if "#" in tid:  # `<task>#<k>` is sample k of a task (--samples): a dataset id with "#"
+        # would collide with one, and the report would count it as a sample of `<task>`
+        raise ValueError(
+            f'"id" {tid!r} contains "#", which is reserved for sample ids (<task>#<k> with '
+            "--samples): rename the task"
+        )
 
 
 def validate(rec: Any, base: Path | None = None) -> Task:

@@ -7,7 +7,9 @@ run. SWE-bench-style records on a local repository: runner/swebench.py.
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,31 @@ KNOWN_FIELDS = {
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 SAMPLING_FIELDS = {"temperature", "top_p", "max_new_tokens", "stop", "seed"}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:  # 64.0 too: columnar formats may store integers as floats
+    return _finite(v) and float(v).is_integer()
+
+
+# A task's sampling overrides, checked at load as the run's options are at parse time
+SAMPLING_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "temperature": lambda v: _finite(v) and v >= 0,
+    "top_p": lambda v: _finite(v) and 0 < v <= 1,
+    "max_new_tokens": lambda v: _integer(v) and v >= 1,
+    "seed": lambda v: _integer(v) and v >= 0,
+    "stop": lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
+}
+SAMPLING_RULES = {
+    "temperature": "a number >= 0",
+    "top_p": "a number in (0, 1]",
+    "max_new_tokens": "an integer >= 1",
+    "seed": "an integer >= 0",
+    "stop": "a list of non-empty strings",
+}
 NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
 
 
@@ -363,13 +390,8 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     if bad:
         raise ValueError(f'"sampling" has unknown keys {bad}; known: {sorted(SAMPLING_FIELDS)}')
     for k, v in sampling.items():
-        ok = (
-            (isinstance(v, list) and all(isinstance(x, str) for x in v))
-            if k == "stop"
-            else (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0)
-        )
-        if not ok:
-            raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
+        if not SAMPLING_CHECKS[k](v):
+            raise ValueError(f'"sampling.{k}" has a bad value {v!r}: {SAMPLING_RULES[k]}')
     return Task(
         tid,
         messages,

@@ -222,9 +222,10 @@ class LlamaCppEngine:
                 )
             default = params[key].default
             if not _same_kind(value, default):
+                kind = {bool: "a bool", int: "an int", float: "a float"}.get(type(default))
                 raise ValueError(
-                    f"--sampling-arg {key}={value!r}: llama.cpp takes a "
-                    f"{type(default).__name__} (default {default!r})"
+                    f"--sampling-arg {key}={value!r}: llama.cpp takes {kind or 'no such value'} "
+                    f"here (default {default!r})"
                 )
 
     def cache_stats(self) -> CacheStats:

@@ -102,7 +102,7 @@ def test_an_id_with_a_hash_is_refused_at_load_it_would_pose_as_a_sample(tmp_path
     tasks, errors, _ = load_tasks(str(path))
     assert [t.id for t in tasks] == ["a"]
     assert [e.line for e in errors] == [2]
-    assert "contains \"#\", which is reserved for sample ids" in errors[0].reason
+    assert 'contains "#", which is reserved for sample ids' in errors[0].reason
     assert [t.id for t in expand_samples(tasks, 2)] == ["a#0", "a#1"]
 
 

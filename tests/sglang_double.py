@@ -15,15 +15,20 @@ unchanged. What it reproduces, from SGLang's source (see docs/sglang.md for the 
   something hit; host > 0 only with enable_hierarchical_cache), dp_rank (dp_size > 1),
   e2e_latency; with return_logprob also input_token_logprobs (empty: logprobs start at the
   output) and output_token_logprobs, one (logprob, token id, None) per output token. The
-  matched stop token stays in output_ids. Sampling params take only SAMPLING_KEYS (SGLang's
-  SamplingParams(**params) raises TypeError on any other key). The context checks of
-  TokenizerManager._validate_one_request raise ValueError. A tiny radix cache gives
-  cached_tokens (match capped at len - 1).
+  matched stop token stays in output_ids. Sampling params go through
+  `tokenizer_manager.sampling_params_class` (FakeSamplingParams: only SAMPLING_KEYS, any other
+  key a TypeError as msgspec raises; normalize(); verify() with SGLang's range checks and
+  messages), as TokenizerManager._create_tokenized_object does. The context checks of
+  TokenizerManager._validate_one_request raise ValueError. Aborts (`Abort`): without a status
+  a result with finish_reason abort (an AbortReq); with 400 a ValueError, with 401-599 an
+  HTTPException (the double of fastapi's), as _handle_abort_finish_reason raises them. A tiny
+  radix cache gives cached_tokens (match capped at len - 1).
 
 tests/test_sglang_source.py checks every name the double accepts or returns against the
 released sglang wheel.
 - `tokenizer_manager`: `.tokenizer` (a tiny HF-like tokenizer, below), `.context_len`,
-  `.max_req_input_len`, `.model_config.hf_eos_token_id`, `.server_args`,
+  `.max_req_input_len`, `.model_config.hf_eos_token_id` / `.vocab_size`, `.server_args`,
+  `.sampling_params_class`,
   `.load_snapshot_reader.read_all()` (per-rank snapshot objects with token_usage etc.;
   absent with `legacy_loads=True`, as on older releases), `await .get_loads()`,
   `await .open_session(obj, None)`, `await .close_session(obj, None)`.
@@ -280,6 +285,7 @@ class Abort:
 
     message: str = "Abort in waiting queue"
     status_code: int | None = None
+    returned: bool = False  # a status comes back in the result (0.5.9: other than 400/500/503)
 
 
 @dataclass
@@ -426,7 +432,7 @@ class FakeSGLangEngine:
         reply = self.replies.pop(0) if self.replies else Reply("ok")
         if isinstance(reply, BaseException):
             raise reply
-        if isinstance(reply, Abort) and reply.status_code is not None:
+        if isinstance(reply, Abort) and reply.status_code is not None and not reply.returned:
             if reply.status_code == 400:  # _handle_abort_finish_reason
                 raise ValueError(reply.message)
             if 400 < reply.status_code < 600:
@@ -437,7 +443,8 @@ class FakeSGLangEngine:
                 "output_ids": [],
                 "meta_info": {
                     "id": rid,
-                    "finish_reason": {"type": "abort", "message": reply.message},
+                    "finish_reason": {"type": "abort", "message": reply.message}
+                    | ({"status_code": reply.status_code} if reply.returned else {}),
                     "e2e_latency": 0.01,
                     "completion_tokens": 0,
                 },

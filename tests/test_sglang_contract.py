@@ -428,6 +428,9 @@ TOO_LONG = "Input length (9000 tokens) exceeds the maximum allowed length (8192 
         (HTTPException(status_code=404, detail="no such LoRA adapter"), EngineError),
         (ValueError("top_k must be -1 (disable) or at least 1, got 0."), EngineError),
         (TypeError("Unexpected keyword argument 'topk'"), EngineError),
+        # 0.5.9 raises only 400, 500 and 503; other statuses come back in the result
+        (Abort("too many requests", status_code=429, returned=True), TransientEngineError),
+        (Abort("no such adapter", status_code=404, returned=True), EngineError),
     ],
 )
 def test_aborts_and_failures_are_transient_or_permanent(monkeypatch, reply, kind):

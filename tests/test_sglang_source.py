@@ -567,6 +567,21 @@ def test_a_scheduler_abort_raises_by_status_in_async_generate():
     assert keys == {"type", "message", "status_code", "err_type"}
 
 
+def test_older_releases_raise_400_500_and_503_aborts_and_return_the_others():
+    # 0.5.9: inside the response loop; the adapter also reads a status from the result
+    tm = " ".join(text("0.5.9", "srt/managers/tokenizer_manager.py").split())
+    assert (
+        'and finish_reason.get("status_code") == HTTPStatus.BAD_REQUEST ): if not is_stream: '
+        'raise ValueError(finish_reason["message"])' in tm
+    )
+    assert (
+        "HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.INTERNAL_SERVER_ERROR, ):" in tm
+        and 'raise fastapi.HTTPException( status_code=finish_reason["status_code"], '
+        'detail=finish_reason["message"], )'
+        in tm
+    )
+
+
 def _aborts(version: str) -> list[tuple[str, str]]:
     """(message text, HTTPStatus member) of every FINISH_ABORT(...) whose status is written
     as HTTPStatus.X, in the files that build them for a generate request (the scheduler and

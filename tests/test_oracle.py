@@ -8,27 +8,49 @@ from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 
 
+def _mb(engine, held, items, capacity, chains=(), hidden=()):
+    return _memory_bound(engine, engine, lambda t: held, items, capacity, chains, hidden)
+
+
 def test_memory_bound_without_pressure_is_the_engine_bound():
     # 100 tokens held through a 5 s tool fit a 100-token pool in 5 s < 10 s of engine work
-    assert _memory_bound(10.0, 0.0, [(5.0, 0.01, 100)], 100) == 10.0
+    assert _mb(10.0, 0.0, [(5.0, 0.01, 100, -1)], 100) == 10.0
 
 
 def test_memory_bound_drops_part_of_a_context():
     # 1000 token-s on a 50-token pool = 20 s. Dropping x tokens costs 0.01 x s and saves
     # 10 x token-s: 1 + 0.01 x = (1000 - 10 x) / 50  ->  x = 19 / 0.21
-    got = _memory_bound(1.0, 0.0, [(10.0, 0.01, 100)], 50)
+    got = _mb(1.0, 0.0, [(10.0, 0.01, 100, -1)], 50)
     assert got == pytest.approx(1.0 + 0.01 * 19 / 0.21)
 
 
-def test_memory_bound_drops_the_longest_tools_first():
+def test_memory_bound_drops_the_cheapest_token_seconds_first():
     # 50 tokens through a 10 s tool go first (all of them: 0.5 s), then 100/3 x 1 s ones
-    got = _memory_bound(1.0, 0.0, [(1.0, 0.01, 100), (10.0, 0.01, 50)], 50)
+    got = _mb(1.0, 0.0, [(1.0, 0.01, 100, -1), (10.0, 0.01, 50, -1)], 50)
     assert got == pytest.approx(1.5 + 0.01 * (2.0 - 1.5) / 0.03)
+    # the same tokens dearer to recompute in the long tool (attention at a long context):
+    # 0.25 s per token-s there against 0.01 in the short one, so the short one goes first
+    got = _mb(1.0, 0.0, [(1.0, 0.01, 100, -1), (10.0, 2.5, 50, -1)], 50)
+    # all 100 short ones (1 s, 100 token-s), then x long: 2 + 2.5 x = (500 - 10 x) / 50
+    assert got == pytest.approx(2.0 + 2.5 * 8.0 / 2.7)
 
 
 def test_memory_bound_counts_generation_residency():
     # nothing to drop: 400 token-s held while generating, on a 100-token pool
-    assert _memory_bound(1.0, 400.0, [], 100) == 4.0
+    assert _mb(1.0, 400.0, [], 100) == pytest.approx(4.0)
+
+
+def test_an_agent_cannot_drop_more_than_its_own_chain_allows():
+    # the same drop as above, but its recompute lands on the agent's own chain: with a 1.5 s
+    # chain and 0.1 s hidden under its prefills' weight reads it may spend T - 1.4 s
+    free = _mb(1.0, 0.0, [(10.0, 0.01, 100, -1)], 50)
+    own = _mb(1.0, 0.0, [(10.0, 0.01, 100, 0)], 50, chains=[1.5], hidden=[0.1])
+    assert own > free
+    # at T the agent spends T - 1.4 s: (1000 - 10 (T - 1.4) / 0.01) / 50 = T
+    assert own == pytest.approx((1000 + 1400) / 1050, rel=1e-6)
+    # an agent with room to spare drops as freely as no chain at all
+    roomy = _mb(1.0, 0.0, [(10.0, 0.01, 100, 0)], 50, chains=[0.0], hidden=[10.0])
+    assert roomy == pytest.approx(free, rel=1e-6)
 
 
 PRESSURED = dict(final=(3000, 6000), gen=(30, 60))

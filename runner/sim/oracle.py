@@ -26,6 +26,7 @@ docs/simulator.md ("The oracle lower bound") gives each term's argument.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +49,10 @@ class _Totals:
     private_reads: int = 0  # the same without the shared prompt (R')
     squares: int = 0  # sum over them of (private context)^2 (Q)
     chains: list[float] = field(default_factory=list)  # each agent's serial chain
-    # (tool seconds, private context held meanwhile, its whole context)
-    tools: list[tuple[float, int, int]] = field(default_factory=list)
+    # (tool seconds, private context held meanwhile, its whole context, agent)
+    tools: list[tuple[float, int, int, int]] = field(default_factory=list)
+    # per agent: seconds of recompute its own prefills can hide under their weight reads
+    hidden: list[float] = field(default_factory=list)
 
 
 def _totals(workload: Workload, cost: CostModel) -> _Totals:
@@ -58,14 +61,17 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
     if sys_tokens:
         tot.segments.append((0, sys_tokens))
         tot.fresh += sys_tokens
-    for a in workload.agents:
+    for agent, a in enumerate(workload.agents):
         start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
-        chain = 0.0
+        chain = hidden = 0.0
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
             tot.sampled += 1
-            chain += cost.prefill([(start, ctx)]).seconds  # its own iteration at least
+            own = cost.prefill([(start, ctx)])  # its own iteration at least
+            chain += own.seconds
+            if i:  # where recompute of what it lost in the tool before would land
+                hidden += max(0.0, own.parts["memory"] - own.parts["compute"])
             # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
             n, own = s.gen_tokens - 1, ctx - sys_tokens
             tot.decode += n
@@ -77,9 +83,10 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
             ctx += s.gen_tokens
             if i < len(a.steps) - 1:
                 chain += s.tool_seconds
-                tot.tools.append((s.tool_seconds, ctx - sys_tokens, ctx))
+                tot.tools.append((s.tool_seconds, ctx - sys_tokens, ctx, agent))
                 start, ctx = ctx, ctx + s.obs_tokens
         tot.chains.append(chain)
+        tot.hidden.append(hidden)
     return tot
 
 
@@ -125,12 +132,9 @@ def lower_bound(
     decode = max(decode, _decode_floor(cost, mem_iters, gen, reads))
     engine = prefill + decode
     chain = max(tot.chains, default=0.0)
-    memory = max(
-        engine,
-        _coupled_memory_bound(
-            cost, tot, len(workload.agents), sys_tokens, capacity, host_tier,
-            max(engine - slack, prefill_compute),
-        ),
+    memory = _coupled_memory_bound(
+        cost, tot, len(workload.agents), sys_tokens, capacity, host_tier,
+        max(engine - slack, prefill_compute), engine,
     )  # fmt: skip
     return {
         "bound_seconds": round(max(memory, chain), 3),
@@ -169,18 +173,16 @@ def _coupled_memory_bound(
     capacity: int,
     host_tier: bool,
     engine: float,
+    floor: float,
 ) -> float:
-    """min over N (iterations that produce decode tokens) of max(their engine time, the
-    memory bound with N). Each such iteration, decode or a retracted request's re-prefill,
-    lasts at least base + k x C (one token's weights, launch and all-reduce latency, plus
-    reading the C context tokens of its requests) while those contexts are resident, so
-    (C' = C without the shared prompt) residency >= sum C' (base + k C) >= base R' +
-    k (max(Q, R'^2 / N) + sys R'); and the N iterations take >= N base + k R + the extra
-    weights and all-reduce bytes of batching. The first falls with N, the second grows: the
-    minimum of their max is where they cross (bisection, keeping the side that is a valid
-    bound). `engine` is the work the drops' recompute adds to (docs/simulator.md)."""
-    if tot.decode <= 0:
-        return _memory_bound(engine, 0.0, _drop_items(cost, tot, sys_tokens, host_tier), capacity)
+    """The memory bound, coupled to N, the iterations that produce decode tokens. Each of
+    them, decode or a retracted request's re-prefill, lasts at least base + k x C (one
+    token's weights, launch and all-reduce latency, plus reading the C context tokens of its
+    requests) while those contexts are resident, so (C' = C without the shared prompt)
+    their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) + sys R');
+    and the N iterations take >= N base + k R + the extra weights and all-reduce bytes of
+    batching, so a run of T seconds has N <= N(T). `engine` is the work the drops'
+    recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
     one = cost.decode_parts(1, 0)
     base = one["memory"] + one["allreduce"] + one["overhead"]
     k = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
@@ -189,39 +191,30 @@ def _coupled_memory_bound(
     wide = cost.decode_parts(max(2, agents), 0)["memory"]
     per_tok = (wide - one["memory"]) / max(1, agents - 1)
     per_tok += cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
-    items = _drop_items(cost, tot, sys_tokens, host_tier)
     rp, g = tot.private_reads, tot.decode
-
-    def busy(n: float) -> float:
-        return n * (base - per_tok) + g * per_tok + k * tot.reads
-
-    def mem(n: float) -> float:
-        held = base * rp + k * (max(tot.squares, rp * rp / n) + sys_tokens * rp)
-        return _memory_bound(engine, held, items, capacity)  # adds the tools' residency
-
+    fixed_part = g * per_tok + k * tot.reads
+    slope = base - per_tok  # >= 0: w(agents) <= agents x w(1) for concave w, w(0) >= 0
     # at most `agents` requests per iteration, and their contexts fit the pool
     lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens))
-    hi = max(lo, float(g))
-    if busy(lo) >= mem(lo):
-        return busy(lo)
-    if busy(hi) < mem(hi):
-        return mem(hi)
-    for _ in range(60):  # busy(lo) < mem(lo), busy(hi) >= mem(hi)
-        mid = (lo + hi) / 2
-        if busy(mid) < mem(mid):
-            lo = mid
-        else:
-            hi = mid
-    # for N <= lo mem(N) >= mem(lo); for N >= hi busy(N) >= busy(hi); between, both at least
-    # their value at the nearer end
-    return max(busy(lo), mem(hi))
+
+    def held(t: float) -> float | None:
+        """Decode residency of a run of t seconds (None: too short for its iterations)."""
+        if g <= 0:
+            return 0.0
+        n = float(g) if slope <= 0 else min(float(g), (t - fixed_part) / slope)
+        if n < lo:
+            return None
+        return base * rp + k * (max(tot.squares, rp * rp / n) + sys_tokens * rp)
+
+    items = _drop_items(cost, tot, sys_tokens, host_tier)
+    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden)
 
 
 def _drop_items(
     cost: CostModel, tot: _Totals, sys_tokens: int, host_tier: bool
-) -> list[tuple[float, float, int]]:
-    """(tool seconds, seconds per dropped token, tokens) per tool wait. Eviction takes leaves,
-    so what an agent loses is a suffix of its context: recomputing x of its n tokens costs
+) -> list[tuple[float, float, int, int]]:
+    """(tool seconds, seconds per dropped token, tokens, agent) per tool wait. Eviction takes
+    leaves, so what an agent loses is a suffix of its context: recomputing x of its n tokens costs
     their linear FLOPs and attention over positions n - x .. n - 1, on average at least
     (n + shared prompt) / 2 keys each (x <= n - shared). A host tier reloads at most that."""
     lin = cost.prefill_linear_per_token
@@ -229,35 +222,66 @@ def _drop_items(
     two = cost.prefill([(0, 2)]).parts["compute"] - cost.prefill([(0, 1)]).parts["compute"]
     pair = (two - lin) / 2
     out = []
-    for t, n, whole in tot.tools:
+    for t, n, whole, agent in tot.tools:
         per = lin + pair * (whole + sys_tokens) / 2
         if host_tier:
             per = min(per, cost.host_load(1))
-        out.append((t, per, n))
+        out.append((t, per, n, agent))
     return out
 
 
 def _memory_bound(
+    floor: float,
     engine: float,
-    held: float,
-    tool_items: list[tuple[float, float, int]],
+    held: Callable[[float], float | None],
+    items: list[tuple[float, float, int, int]],
     capacity: int,
+    chains: Sequence[float] = (),
+    hidden: Sequence[float] = (),
 ) -> float:
-    """min over drops of max(engine + drop cost, memory-time left / capacity). Dropping a
-    token held through a t-second tool saves t token-seconds for `per` seconds of work, so
-    the cheapest per token-second go first (a fractional knapsack: greedy is optimal)."""
+    """The least T >= floor at which the memory fits: capacity x T >= held(T) + the tools'
+    residency - what drops save, where the drops' recompute fits both the engine
+    (engine + cost <= T) and each agent's own chain (its drops cost it at least their
+    recompute less what its prefills hide: chains[a] + cost_a - hidden[a] <= T; agent -1:
+    no chain). Feasibility only grows with T, so bisection; the answer is the largest T
+    shown infeasible (or floor), hence a lower bound."""
     if capacity <= 0:
         return math.inf
-    memory = held + sum(t * n for t, _, n in tool_items)
-    spent = 0.0
+    tools = sum(t * n for t, _, n, _ in items)
     dear = math.inf  # a token held through no tool saves nothing
-    for t, per, n in sorted(tool_items, key=lambda it: it[1] / it[0] if it[0] > 0 else dear):
-        if engine + spent >= memory / capacity or t <= 0:
-            break
-        # drop x of these n tokens: engine + spent + x*per == (memory - x*t) / capacity
-        x = (memory / capacity - engine - spent) / (per + t / capacity)
-        if x <= n:
-            return engine + spent + x * per
-        spent += n * per
-        memory -= n * t
-    return max(engine + spent, memory / capacity)
+    order = sorted(items, key=lambda it: it[1] / it[0] if it[0] > 0 else dear)
+
+    def fits(t: float) -> bool:
+        h = held(t)
+        if h is None or engine > t:
+            return False
+        need = h + tools - capacity * t  # token-seconds the drops must save
+        budget = t - engine
+        left = [t - c + hidden[a] for a, c in enumerate(chains)]
+        for sec, per, n, agent in order:
+            if need <= 0 or budget <= 0 or sec <= 0:
+                break
+            room = budget if agent < 0 else min(budget, left[agent])
+            x = n if per <= 0 else min(n, room / per)
+            if x <= 0:
+                continue
+            if x * sec >= need:  # a part of this item is enough
+                return True
+            need -= x * sec
+            budget -= x * per
+            if agent >= 0:
+                left[agent] -= x * per
+        return need <= 0
+
+    if fits(floor):
+        return floor
+    lo, hi = floor, max(2 * floor, 1e-6)
+    while not fits(hi):
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo

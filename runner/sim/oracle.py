@@ -68,10 +68,10 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
             tot.sampled += 1
-            own = cost.prefill([(start, ctx)])  # its own iteration at least
-            chain += own.seconds
+            solo = cost.prefill([(start, ctx)])  # its own iteration at least
+            chain += solo.seconds
             if i:  # where recompute of what it lost in the tool before would land
-                hidden += max(0.0, own.parts["memory"] - own.parts["compute"])
+                hidden += max(0.0, solo.parts["memory"] - solo.parts["compute"])
             # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
             n, own = s.gen_tokens - 1, ctx - sys_tokens
             tot.decode += n

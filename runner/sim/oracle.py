@@ -17,7 +17,8 @@ No schedule can finish sooner than any of:
   takes the N that is best for the schedule. Dropping trades memory for compute: each dropped
   token saves its tool's seconds of residency and costs its recompute (linear FLOPs and the
   attention of its position; with a host tier, at most its PCIe reload), cheapest per
-  token-second first.
+  token-second first, paid both by the engine and by the dropping agent's own chain. The
+  bound is the least time at which all of this fits.
 Each step produces its first token in its prefill and the rest in decode iterations. Template
 tokens the runner adds around each turn are left out, which only lowers the bound.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.

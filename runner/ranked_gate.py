@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Callable
 
 from .gate import Gate, GateCounters
+from .gate_order import ContextsView
 
 
 class RankedGate:
@@ -144,7 +145,7 @@ class RankView:
     def counts(self) -> dict[str, int]:
         return self._gate.counts()
 
-    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def contexts(self) -> ContextsView:
         return self._gate.contexts()
 
     def growth_per_step(self) -> float | None:

@@ -1,4 +1,5 @@
-"""Rerun some of bench/paper.py's runs and compare them with the committed paper.json.
+"""Rerun some runs of bench/paper.py and bench/stress.py; compare them with the committed
+paper.json and stress.json.
 
     python bench/paper_verify.py RUN [RUN ...] [--jobs 2]
     python bench/paper_verify.py --preset gate       # the subset that exercises the gate
@@ -6,7 +7,7 @@
 For a change that must not move any decision (the gate's data structures, a refactor): every
 run must give the same simulated seconds, work digest, hit rate, engine counters and gate
 summary (pauses, resumes, window, branches, seconds paused) as its record in
-bench/results/paper.json. Writes nothing; exits 1 on any difference, naming it.
+bench/results/paper.json or stress.json. Writes nothing; exits 1 on any difference, naming it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import stress
 from paper import RESULTS, execute, plan
 
 # Every Table 1 row under aimd, wset and wset+hicache (DeepSeek: every system, they are
-# cheap), the request unit, and the runs with the most pauses and resumes (both resume rules).
+# cheap), the request unit, the runs with the most pauses and resumes (both resume rules),
+# and the stress rows where the gate works hardest (2,048 agents; minute-long tools).
 PRESETS = {
     "gate": [
         *(f"{c}-{s}" for c in ("ds-16", "ds-32", "ds-40") for s in
@@ -31,6 +34,8 @@ PRESETS = {
         "qwen-tp8-aimd", "qwen-tp8-wset", "qwen-tp8-request-cap", "qwen-tp8-wset-target1.8",
         "qwen-tp4-wset", "qwen-tp4-wset+hicache",
         "qwen-tp2-aimd", "qwen-tp2-wset", "qwen-tp2-ulow0.5",
+        "stress-swarm-wset", "stress-swarm-aimd", "stress-slow-tools-wset",
+        "stress-ds-spikes-wset",
     ],
 }  # fmt: skip
 # wall seconds and where the run folder was differ between machines; everything else must not
@@ -54,12 +59,16 @@ def main() -> None:
     names = [*args.runs, *PRESETS.get(args.preset or "", [])]
     if not names:
         p.error("name runs or a --preset")
-    committed = {r["run"]: r for r in json.loads((RESULTS / "paper.json").read_text())}
-    by_name = {r.name: r for r in plan(None, quick=False)}
+    committed = {
+        r["run"]: r
+        for f in ("paper.json", "stress.json")
+        for r in json.loads((RESULTS / f).read_text())
+    }
+    by_name = {r.name: r for r in [*plan(None, quick=False), *stress.plan(None, None)]}
     unknown = [n for n in names if n not in by_name or n not in committed]
     if unknown:
-        p.error(f"not a run of paper.py with a record in paper.json: {unknown}")
-    print(f"{len(names)} runs against {RESULTS / 'paper.json'}, {args.jobs} at a time")
+        p.error(f"not a run of paper.py or stress.py with a committed record: {unknown}")
+    print(f"{len(names)} runs against {RESULTS}/paper.json, stress.json, {args.jobs} at a time")
     with mp.get_context("fork").Pool(args.jobs) as pool:
         records = pool.map(execute, [(by_name[n], args.seed) for n in names], chunksize=1)
     bad = 0
@@ -69,7 +78,7 @@ def main() -> None:
         print(f"{'DIFFERS' if diff else 'same'}: {rec['run']} ({rec['sim_seconds']} sim s)")
         for d in diff:
             print(f"    {d}")
-    print(f"{len(records) - bad} of {len(records)} runs identical to paper.json")
+    print(f"{len(records) - bad} of {len(records)} runs identical to their committed records")
     sys.exit(1 if bad else 0)
 
 

@@ -9,9 +9,10 @@ Each of those four segments is a sorted list of short blocks (the layout of sort
 SortedList), and every block keeps the sum of its agents' contexts and a lower bound of the
 smallest. An agent knows its block, so the gate's hot path (an admitted agent reporting its
 context between steps) updates one sum in O(1); entering or leaving a segment is O(log n + B);
-a query (the first k agents' total, how many fit a budget) reads the block sums and the items
-of one block: O(n / B + B) Python steps, no sort. SortedList itself keeps no per-block
-aggregate and gives no handle from an item to its block, which the O(1) hot path needs.
+a query (the first k agents' total, how many fit a budget) accumulates the block sums in C,
+bisects, and accumulates the items of one block: O(n / B + B) C steps and O(log n) Python
+steps, no sort. SortedList itself keeps no per-block aggregate and gives no handle from an
+item to its block, which the O(1) hot path needs.
 """
 
 from __future__ import annotations

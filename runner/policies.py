@@ -24,8 +24,9 @@ Unit = Literal["agent", "request"]
 class Contexts(Protocol):
     """Every agent's context (tokens) in the gate's order: the slot holders first, in the
     order they keep their slots, then the waiting agents, in the order they would get one.
-    The gate keeps running totals, so `fit` and `total` cost O(log n)-like work a period
-    (runner/gate_order.py); iterating is O(n). `ContextList` is the plain version."""
+    The gate hands a live view of running totals it keeps (runner/gate_order.py): `fit` and
+    `total` sort nothing and read per-block sums (microseconds at 10,000 agents); iterating
+    is O(n). `ContextList` is the plain version over two tuples."""
 
     @property
     def held(self) -> int:

@@ -19,6 +19,7 @@ PAUSE_RULES = ("newest", "shortest", "longest")
 RESUME_RULES = ("oldest", "newest", "longest", "shortest")
 HOLDING = ("active", "marked")
 
+
 @dataclass(eq=False)
 class _Agent:
     key: str

@@ -5,7 +5,7 @@ requests ending, agents finishing or being cancelled while they wait, the window
 time moving or standing still) run through both gates; every decision (who is marked, paused,
 unmarked, resumed, admitted, in which order), every state and count, the contexts a policy
 reads, and `fit` / `total` on them must be the same after every event. Blocks are made tiny
-so that splits and merges happen all the time.
+(1 and 4 agents) so that splits and merges happen all the time.
 """
 
 import asyncio
@@ -43,7 +43,7 @@ def check_structure(gate: Gate) -> None:
 
 
 async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
-    rng = random.Random(seed)
+    rng, queries = random.Random(seed), random.Random(-seed)
     now = [0.0]
     unit = rng.choice(["agent", "agent", "request"])
     pause_rule = rng.choice(list(PAUSE_RULES))
@@ -88,7 +88,7 @@ async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
         else:
             now[0] += rng.choice([0.0, 0.5, 1.0])
             what = ("tick", now[0])
-        for _ in range(3):
+        for _ in range(2):  # let the tasks run: granted ones return, cancelled ones end
             await asyncio.sleep(0)
         for key in sorted(tasks):
             t = tasks[key]
@@ -96,7 +96,7 @@ async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
                 del tasks[key]
                 exc = "cancelled" if t.cancelled() else t.exception()
                 trace.append(("ended", key, repr(exc)))
-        trace.append((what, *observe(gate, new, rng, keys)))
+        trace.append((what, *observe(gate, new, queries, keys)))
         if new:
             check_structure(gate)
     for t in tasks.values():
@@ -106,24 +106,24 @@ async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
 
 
 def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
+    """What a controller and a display can see; for the new gate, also `fit` and `total` on
+    its view against the plain ones on the same contexts (which the trace compares with
+    the reference gate's)."""
     if new:
         view = gate.contexts()
         flat = tuple(view)
         held, waiting = flat[: view.held], flat[view.held :]
         assert len(view) == len(flat)
+        ref = ContextList(held, waiting)
+        for _ in range(2):
+            budget = rng.choice([rng.uniform(-10, 40_000), float(rng.randint(0, 20_000)), 0.0])
+            extra = rng.choice([0.0, 250.0, rng.uniform(0, 900)])
+            shared = rng.choice([0, 0, 40, rng.randint(0, 3000)])
+            k = rng.randint(0, len(flat) + 1)
+            got = (view.fit(budget, extra, shared), view.total(k))
+            assert got == (ref.fit(budget, extra, shared), ref.total(k)), (budget, extra, shared)
     else:
         held, waiting = gate.contexts()
-    ref = ContextList(held, waiting)
-    queries = []
-    for _ in range(3):
-        budget = rng.choice([rng.uniform(-10, 40_000), float(rng.randint(0, 20_000)), 0.0])
-        extra = rng.choice([0.0, 250.0, rng.uniform(0, 900)])
-        shared = rng.choice([0, 0, 40, rng.randint(0, 3000)])
-        k = rng.randint(0, len(held) + len(waiting) + 1)
-        got = (view.fit(budget, extra, shared), view.total(k)) if new else None
-        want = (ref.fit(budget, extra, shared), ref.total(k))
-        assert got in (None, want), (budget, extra, shared, k)
-        queries.append(want)
     return (
         held,
         waiting,
@@ -135,17 +135,16 @@ def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
         gate.growth_per_step(),
         gate.wait_totals(),
         tuple(gate.state(k) for k in keys),
-        tuple(queries),
     )
 
 
-@pytest.mark.parametrize("load", [1, 4, 64])
-def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load):
+@pytest.mark.parametrize(("load", "sequences"), [(1, 400), (4, 800), (128, 400)])
+def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, sequences):
     monkeypatch.setattr(gate_order, "LOAD", load)
 
     async def main():
-        for seed in range(700):
-            n = 60
+        for seed in range(sequences):
+            n = 50
             ref = await run_sequence(reference_gate.Gate, seed, n, new=False)
             got = await run_sequence(Gate, seed, n, new=True)
             for i, (r, g) in enumerate(zip(ref, got, strict=True)):

@@ -108,7 +108,7 @@ class ControlledGate(Protocol):
     def wait_totals(self) -> tuple[float, float]: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Agent:
     key: str
     order: int  # queue position among pending agents (task order, then re-queue order)
@@ -180,8 +180,9 @@ class Gate:
 
     async def acquire(self, key: str, context_tokens: int = 0) -> None:
         """Return when `key` may send its next request. Each call is a step boundary."""
-        a = self._agents.get(key)
-        if a is None:
+        try:
+            a = self._agents[key]
+        except KeyError:  # not announced: register it now
             self.register(key)
             a = self._agents[key]
         old = a.context

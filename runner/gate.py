@@ -402,12 +402,14 @@ class Gate:
                 self._move(m, "active")
                 self.counters.events.append(("unmarked", m.key))
         # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
-        n = self._n
+        n, now = self._n, None
         while n["active"] + n["marked"] < self._window:
             a = self._next_waiter()
             if a is None:
                 break
-            self._grant(a)
+            if now is None:  # one reading for all the agents let in at this instant
+                now = self._clock()
+            self._grant(a, now)
 
     def _next_waiter(self) -> _Agent | None:
         """The next agent to get a slot: a paused one first, then a pending one."""
@@ -417,8 +419,7 @@ class Gate:
                 return a
         return self._pop_waiter(self._pending_q, "pending") if self._pending_q else None
 
-    def _grant(self, a: _Agent) -> None:
-        now = self._clock()
+    def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":
             a.paused_seconds += now - (a.paused_since or now)
             a.paused_since = None

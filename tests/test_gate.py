@@ -247,9 +247,9 @@ def test_stress_2000_agents_moving_window():
         admitted = set()
         orig_grant = gate._grant
 
-        def grant(a):
+        def grant(a, now):
             admitted.add(a.key)
-            orig_grant(a)
+            orig_grant(a, now)
 
         gate._grant = grant
 

@@ -292,7 +292,7 @@ def main() -> None:
     print(f"gate with {args.agents} agents (median of {args.repeats} runs, one process each):")
     base = med.get("baseline")
     for k, v in gate.items():
-        unit = "us" if k.endswith("_us") else "  "
+        unit = "us" if "_us" in k else "  "
         before = f"   before {base[k]:10.2f} {unit} ({base[k] / v:5.1f}x)" if base else ""
         print(f"  {k:44s} {v:10.2f} {unit}{before}")
     if engine:

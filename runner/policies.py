@@ -70,8 +70,10 @@ class ContextList:
 
     def fit(self, budget: float, extra: float = 0.0, shared: int = 0) -> int:
         """Each term is max(context, shared) - shared + extra: the running sums of
-        max(context, shared) are taken in C (itertools.accumulate) and the count found by
-        bisection (every term is >= 0, so the sums are monotone)."""
+        max(context, shared) (itertools.accumulate) and the count found by bisection (every
+        term is >= 0, so the sums are monotone). Where no context is below `shared` this is
+        the same float expression, prefix by prefix, as before the gate kept running totals
+        (sum of contexts + k x (extra - shared)); the gate's view computes it the same way."""
         if extra < 0:
             raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
         if not len(self) or budget < 0:

@@ -108,6 +108,8 @@ class RankedGate:
         return g.window - g.holders() - g.waiting()
 
     def _dispatch(self) -> None:
+        if not self._lobby or max(self._room(g) for g in self.gates) <= 0:
+            return  # no rank has room (most calls): the lobby is not scanned
         waiting = [k for k, f in self._lobby.items() if f is not None and not f.done()]
         for key in waiting:
             r = max(range(len(self.gates)), key=lambda i: (self._room(self.gates[i]), -i))

@@ -90,7 +90,8 @@ def limits_line(sandbox: CommandSandbox, limits: Limits) -> str:
     mem, procs = d["memory"], d["processes"]
     return (
         f"sandbox {d['sandbox']} mode ({sandbox.mode}): network {d['network'].split(' ')[0]}; "
-        f"memory {mem['max_bytes'] // 2**20} MiB per {mem['per']} ({mem['by']}); processes "
+        f"memory {mem['max_bytes'] // 2**20} MiB per {mem['per']} ({mem['by'].split(':')[0]}); "
+        "processes "
         f"{procs['max']} per {procs['per']} ({procs['by']}); workspace "
         f"{limits.workspace_bytes // 2**20} MiB, {d['workspace']['bound']}"
     )

@@ -268,3 +268,17 @@ def test_a_dead_runs_leftover_is_killed_on_start(user: pwd.struct_passwd, home: 
     finally:
         left.kill()
         left.wait()
+
+
+@pytest.mark.slow
+def test_readme_quick_start_embedded_engine_as_a_user(user: pwd.struct_passwd, home: Path) -> None:
+    """README's first command (`run.py --tasks swe.jsonl`, the embedded CPU engine), cut to
+    one task of two steps, as the user."""
+    out = home / "swe"
+    p = run_as(user, "--tasks", "swe.jsonl", "--limit", "1", "--max-steps", "2", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (r,) = read_jsonl(out / "trajectories.jsonl")
+    assert r["steps"] == 2 and r["status"] in ("max_steps", "submitted")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"]["name"] == "llama.cpp" and summary["limits"]["sandbox"] == "user"
+    assert not workspace_root(out).exists() and not user_processes(user)

@@ -56,6 +56,11 @@ class Sandbox:
     def __init__(self, user: bool | None = None) -> None:
         # user mode: started by an ordinary user, every agent runs as that user
         self.user = os.geteuid() != 0 if user is None else user
+        if self.user and os.geteuid() == 0:
+            raise SandboxUnavailable(
+                "user mode runs every agent as the user who starts the runner; as root that "
+                "is uid 0 on the host. Run it as an ordinary user, or as root in root mode"
+            )
         self._wrappers = host_wrappers(self.user)  # (prlimit, setpriv); SandboxUnavailable
         self._mark = run_mark()  # in every command's environment: the reaper's way to them
         cgroups.in_force()  # look for the agents' cgroups now (said once if there are none)
@@ -69,7 +74,7 @@ class Sandbox:
 
     @property
     def privilege(self) -> str:
-        """ "root" (a host uid per agent) or "user" (agents run as the user who started us)."""
+        """Root mode (a host uid per agent) or user mode (agents run as the user)."""
         return "user" if self.user else "root"
 
     def prepare_workspace(self, workspace: Path, uid: int) -> None:

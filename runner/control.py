@@ -98,6 +98,8 @@ class Controller:
         c = self.gate.counts()
         before = self.gate.window
         held, waiting = self.gate.contexts() if self.policy.wants_contexts else ((), ())
+        in_tool = self.gate.tool_seconds() if self.policy.wants_contexts else ()
+        tools_done = self.gate.tool_durations() if self.policy.wants_contexts else ()
         sig = Signals(
             now=now,
             window=before,
@@ -113,6 +115,9 @@ class Controller:
             host_reload_cost=cache.host_reload_cost,
             held_contexts=held,
             waiting_contexts=waiting,
+            held_tool_seconds=in_tool,
+            tool_durations=tools_done,
+            recompute_token_seconds=cache.recompute_token_seconds,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
             shared_tokens=(

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -54,6 +54,7 @@ RESUME_RULES: dict[str, str] = {
     "shortest": "resume the agent with the shortest context first",
 }
 HOLDING = ("active", "marked")
+TOOL_DURATIONS_KEPT = 1000  # the latest tool calls a policy sees (Signals.tool_durations)
 Unit = Literal["agent", "request"]
 
 
@@ -98,6 +99,10 @@ class ControlledGate(Protocol):
 
     def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
+    def tool_seconds(self) -> tuple[float, ...]: ...
+
+    def tool_durations(self) -> tuple[float, ...]: ...
+
     def growth_per_step(self) -> float | None: ...
 
     def drain_events(self) -> list[tuple[str, str]]: ...
@@ -115,6 +120,7 @@ class _Agent:
     waiter: asyncio.Future[None] | None = None
     wait_since: float | None = None
     paused_since: float | None = None
+    tool_since: float | None = None  # its request finished, its next acquire not yet come
     paused_seconds: float = 0.0
     pending_seconds: float = 0.0
     ever_admitted: bool = False
@@ -164,6 +170,8 @@ class Gate:
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
+        # the latest tool calls' durations (request finished -> next acquire), for policies
+        self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -182,6 +190,9 @@ class Gate:
             self._growth_steps += 1
             self._growth_tokens += context_tokens - a.context
         a.context = context_tokens
+        if a.tool_since is not None:  # back from a tool call: how long it took
+            self._tool_durations.append(self._clock() - a.tool_since)
+            a.tool_since = None
         if a.state == "active":
             return  # the hot path: an admitted agent between steps
         if a.state == "done":
@@ -215,6 +226,8 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
+        if a is not None:
+            a.tool_since = self._clock()
         if self.unit == "request" and a is not None and a.state in HOLDING:
             self._move(a, "idle")
             self._fill()
@@ -289,6 +302,19 @@ class Gate:
             key=lambda a: a.order,
         )
         return tuple(a.context for a in held), tuple(a.context for a in waiting)
+
+    def tool_seconds(self) -> tuple[float, ...]:
+        """Seconds each slot holder has spent since its last request finished (in a tool
+        call, or preparing its next turn), 0 while its request is in the engine; in the
+        order of `contexts()`'s held agents. O(n log n): once per period."""
+        now = self._clock()
+        held = sorted(self._active.values(), key=lambda a: a.admitted_seq)
+        held += sorted(self._marked.values(), key=lambda a: a.admitted_seq)
+        return tuple(0.0 if a.tool_since is None else now - a.tool_since for a in held)
+
+    def tool_durations(self) -> tuple[float, ...]:
+        """Durations of the latest tool calls (at most TOOL_DURATIONS_KEPT), oldest first."""
+        return tuple(self._tool_durations)
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]

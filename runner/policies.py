@@ -37,6 +37,11 @@ class Signals:
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
     held_contexts: tuple[int, ...] = ()  # slot holders' contexts, in keep order
     waiting_contexts: tuple[int, ...] = ()  # waiting agents' contexts, in admission order
+    # seconds each slot holder has been out of the engine (in a tool), as held_contexts
+    held_tool_seconds: tuple[float, ...] = ()
+    tool_durations: tuple[float, ...] = ()  # the latest finished tool calls' seconds
+    # seconds the engine takes to recompute one token of an evicted context
+    recompute_token_seconds: float | None = None
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
     shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
@@ -226,20 +231,150 @@ class WorkingSet:
         return Decision(fit, "fit")
 
     def _capacity(self, s: Signals) -> float:
-        """The device pool, plus the host tier where the engine has one and reloading from
-        it is cheaper than recomputing (an agent whose KV went to host comes back for a PCIe
-        copy instead of a prefill): the part of it beyond the device's own copies, since
-        write-through keeps a host copy of what the device holds."""
-        device = float(s.capacity_tokens or 0)
-        if not self.use_host or not s.host_capacity_tokens or s.host_reload_cost is None:
-            return device
-        extra = max(0.0, s.host_capacity_tokens - device)
-        return device + (extra if s.host_reload_cost < 1.0 else 0.0)
+        return _capacity(s, self.use_host)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("fallback")
         return d
+
+
+@dataclass(frozen=True)
+class WorkingSet2:
+    """`wset` with a reserve instead of a share, that drops the KV of agents in long tools.
+
+    - The working set may fill the pool less a `reserve` share (the engine's own reservation
+      for the running requests' decode, and dead KV that LRU keeps over a live agent's), and
+      never more: a working set beyond the device pool thrashes, so no setting of this
+      policy overcommits it (a host tier whose reloads are cheaper than recomputes adds its
+      capacity beyond the device's copies, as in `wset`).
+    - A slot holder in a tool call whose expected remaining time is long counts nothing: the
+      window admits others in its place, and the engine's LRU evicts the longest-idle
+      prefixes first, which are exactly these; the agent recomputes its context when the tool
+      returns: the InferCept trade, one prefill instead of a minute of idle KV. Expected
+      remaining time: the mean excess over the time already spent, among the latest finished
+      tool calls. Dropping a token saves that many token-seconds of pool and costs one
+      token's recompute seconds; the pool serves `capacity` token-seconds a second, so the
+      trade pays when the remaining time exceeds capacity x that cost (the break-even),
+      times `drop_factor`. With a host tier counted in the capacity, what the tiers cannot
+      hold is recomputed too, so the cost stays a recompute's.
+    """
+
+    reserve: float = 0.1
+    headroom_steps: float = 1.0
+    max_recompute: float = 0.3
+    beta: float = 0.5
+    use_host: bool = True
+    drop_factor: float = 1.0  # x the break-even remaining tool time above which KV is dropped
+    fallback: AIMD = AIMD()
+
+    name: ClassVar[str] = "wset2"
+    unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reserve < 1.0:
+            raise ValueError(f"wset2 reserve must be in [0, 1), got {self.reserve!r}")
+        if self.headroom_steps < 0:
+            raise ValueError(f"wset2 headroom_steps must be >= 0, got {self.headroom_steps!r}")
+        if not 0.0 < self.max_recompute <= 1.0:
+            raise ValueError(f"wset2 max_recompute must be in (0, 1], got {self.max_recompute!r}")
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(f"wset2 beta must be in (0, 1], got {self.beta!r}")
+        if self.drop_factor <= 0:
+            raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
+
+    def initial_window(self, n_agents: int) -> int:
+        return max(1, n_agents)  # nothing is resident yet: the first update fits it
+
+    def update(self, s: Signals) -> Decision:
+        if not s.capacity_tokens:
+            d = self.fallback.update(s)
+            return Decision(d.window, f"aimd-fallback:{d.branch}")
+        growth = (s.growth_per_step or 0.0) * self.headroom_steps
+        shared = s.shared_tokens or 0
+        capacity = _capacity(s, self.use_host)
+        budget = (1.0 - self.reserve) * capacity - shared  # the shared prefix, stored once
+        terms = self._held_terms(s, shared, growth, self._break_even(s, capacity))
+        terms += tuple(max(0, c - shared) + growth for c in s.waiting_contexts)
+        fit = max(1, _fit_terms(terms, budget))
+        if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
+            return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
+        return Decision(fit, "fit")
+
+    def _break_even(self, s: Signals, capacity: float) -> float | None:
+        """Remaining tool seconds above which dropping a context pays (None: never). With a
+        host tier counted in `capacity`, a context the tiers cannot hold is recomputed, not
+        reloaded, so the cost is a recompute's either way."""
+        if not s.recompute_token_seconds or not s.tool_durations:
+            return None
+        return self.drop_factor * capacity * s.recompute_token_seconds
+
+    def _held_terms(
+        self, s: Signals, shared: int, growth: float, break_even: float | None
+    ) -> tuple[float, ...]:
+        """Each slot holder's projected context; 0 for one in a tool call expected (now or
+        earlier in the call) to outlast the break-even."""
+        terms = [max(0, c - shared) + growth for c in s.held_contexts]
+        if break_even is None:
+            return tuple(terms)
+        remaining = _RemainingTime(s.tool_durations)
+        for i, spent in enumerate(s.held_tool_seconds[: len(terms)]):
+            if spent > 0 and remaining.peak(spent) > break_even:
+                terms[i] = 0.0
+        return tuple(terms)
+
+    def params(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("fallback")
+        return d
+
+
+class _RemainingTime:
+    """The mean excess of a tool call that has run `spent` seconds: the mean remaining time
+    of the finished calls that took longer (beyond them all: `spent` again, as for a heavy
+    tail). `peak(spent)` is its largest value at any time up to `spent`: a call whose
+    expected remainder once passed the break-even has had its KV dropped, so it stays
+    dropped even as its expected remainder falls."""
+
+    def __init__(self, durations: tuple[float, ...]) -> None:
+        self._d = sorted(durations)
+        self._suffix = [*reversed(list(itertools.accumulate(reversed(self._d)))), 0.0]
+        # the mean excess just after each finished duration (and at 0), running maximum
+        self._peak = list(
+            itertools.accumulate(
+                (self.expected(t) for t in (0.0, *self._d)),
+                max,
+            )
+        )
+
+    def expected(self, spent: float) -> float:
+        i = bisect.bisect_right(self._d, spent)
+        n = len(self._d) - i
+        return spent if n == 0 else (self._suffix[i] - n * spent) / n
+
+    def peak(self, spent: float) -> float:
+        i = bisect.bisect_left(self._d, spent)  # durations below `spent`, and 0
+        return max(self._peak[i], self.expected(spent))
+
+
+def _capacity(s: Signals, use_host: bool) -> float:
+    """The device pool, plus the host tier where the engine has one and reloading from it is
+    cheaper than recomputing (an agent whose KV went to host comes back for a PCIe copy
+    instead of a prefill): the part of it beyond the device's own copies, since
+    write-through keeps a host copy of what the device holds."""
+    device = float(s.capacity_tokens or 0)
+    if not use_host or not s.host_capacity_tokens or s.host_reload_cost is None:
+        return device
+    extra = max(0.0, s.host_capacity_tokens - device)
+    return device + (extra if s.host_reload_cost < 1.0 else 0.0)
+
+
+def _fit_terms(terms: tuple[float, ...], budget: float) -> int:
+    """How many leading terms (each >= 0) fit `budget`."""
+    if not terms or budget < 0:
+        return 0
+    return bisect.bisect_right(list(itertools.accumulate(terms)), budget)
 
 
 def _fit(
@@ -270,7 +405,7 @@ def _fit(
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy
 # is one class added here, and `--policy NAME:key=value,...` and --help know it at once.
-_POLICIES: tuple[type[Policy], ...] = (AIMD, WorkingSet, NoGate, AgentCap, RequestCap)
+_POLICIES: tuple[type[Policy], ...] = (AIMD, WorkingSet, WorkingSet2, NoGate, AgentCap, RequestCap)
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in _POLICIES}
 # The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
 # policy falls back on (its field of type AIMD). Other policies take none.

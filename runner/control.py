@@ -98,8 +98,8 @@ class Controller:
         c = self.gate.counts()
         before = self.gate.window
         held, waiting = self.gate.contexts() if self.policy.wants_contexts else ((), ())
-        in_tool = self.gate.tool_seconds() if self.policy.wants_contexts else ()
-        tools_done = self.gate.tool_durations() if self.policy.wants_contexts else ()
+        in_tool = self.gate.tool_seconds() if self.policy.wants_tools else ()
+        tools_done = self.gate.tool_durations() if self.policy.wants_tools else ()
         sig = Signals(
             now=now,
             window=before,

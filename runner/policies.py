@@ -62,6 +62,8 @@ class Policy(Protocol):
     unit: ClassVar[Unit]  # what a slot is held for: a whole agent life, or one request
     # whether Signals must carry every agent's context (O(n) a period)
     wants_contexts: ClassVar[bool]
+    # whether Signals must carry the holders' tool seconds and the latest tool durations
+    wants_tools: ClassVar[bool]
 
     def initial_window(self, n_agents: int) -> int: ...
 
@@ -89,6 +91,7 @@ class AIMD:
     name: ClassVar[str] = "aimd"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha, int) and self.alpha >= 1):
@@ -129,6 +132,7 @@ class NoGate:
     name: ClassVar[str] = "none"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)
@@ -148,6 +152,7 @@ class AgentCap:
     name: ClassVar[str] = "agent-cap"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -204,6 +209,7 @@ class WorkingSet:
     name: ClassVar[str] = "wset"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = True
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 2.0:  # above 1: deliberate overcommit
@@ -271,6 +277,7 @@ class WorkingSet2:
     name: ClassVar[str] = "wset2"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = True
+    wants_tools: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserve < 1.0:

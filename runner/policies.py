@@ -302,34 +302,31 @@ class WorkingSet2:
         shared = s.shared_tokens or 0
         capacity = _capacity(s, self.use_host)
         budget = (1.0 - self.reserve) * capacity - shared  # the shared prefix, stored once
-        terms = self._held_terms(s, shared, growth, self._break_even(s, capacity))
-        terms += tuple(max(0, c - shared) + growth for c in s.waiting_contexts)
-        fit = max(1, _fit_terms(terms, budget))
+        held = s.held_contexts
+        after = self._drop_after(s, capacity)
+        if after is not None:  # holders in calls past it count nothing
+            tools = s.held_tool_seconds
+            dropped = [i for i, t in enumerate(tools[: len(held)]) if t > 0 and t >= after]
+            if dropped:
+                fit = _fit_dropping(held, s.waiting_contexts, shared, growth, budget, dropped)
+                return self._decide(s, fit)
+        return self._decide(s, _fit(held, s.waiting_contexts, shared, growth, budget))
+
+    def _decide(self, s: Signals, fit: int) -> Decision:
+        fit = max(1, fit)
         if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
             return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
         return Decision(fit, "fit")
 
-    def _break_even(self, s: Signals, capacity: float) -> float | None:
-        """Remaining tool seconds above which dropping a context pays (None: never). With a
-        host tier counted in `capacity`, a context the tiers cannot hold is recomputed, not
-        reloaded, so the cost is a recompute's either way."""
+    def _drop_after(self, s: Signals, capacity: float) -> float | None:
+        """Seconds in a tool call from which a holder's KV is dropped (None: never): the
+        first time the call's expected remainder passes the break-even. With a host tier
+        counted in `capacity`, a context the tiers cannot hold is recomputed, not reloaded,
+        so the cost is a recompute's either way."""
         if not s.recompute_token_seconds or not s.tool_durations:
             return None
-        return self.drop_factor * capacity * s.recompute_token_seconds
-
-    def _held_terms(
-        self, s: Signals, shared: int, growth: float, break_even: float | None
-    ) -> tuple[float, ...]:
-        """Each slot holder's projected context; 0 for one in a tool call expected (now or
-        earlier in the call) to outlast the break-even."""
-        terms = [max(0, c - shared) + growth for c in s.held_contexts]
-        if break_even is None:
-            return tuple(terms)
-        remaining = _RemainingTime(s.tool_durations)
-        for i, spent in enumerate(s.held_tool_seconds[: len(terms)]):
-            if spent > 0 and remaining.peak(spent) > break_even:
-                terms[i] = 0.0
-        return tuple(terms)
+        break_even = self.drop_factor * capacity * s.recompute_token_seconds
+        return _RemainingTime(s.tool_durations).first_above(break_even)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -340,29 +337,34 @@ class WorkingSet2:
 class _RemainingTime:
     """The mean excess of a tool call that has run `spent` seconds: the mean remaining time
     of the finished calls that took longer (beyond them all: `spent` again, as for a heavy
-    tail). `peak(spent)` is its largest value at any time up to `spent`: a call whose
+    tail). `first_above(x)` is the least time in a call at which it exceeds x: a call whose
     expected remainder once passed the break-even has had its KV dropped, so it stays
-    dropped even as its expected remainder falls."""
+    dropped even as its expected remainder falls (between finished durations the mean
+    excess only falls, so that time is 0 or one of them)."""
 
     def __init__(self, durations: tuple[float, ...]) -> None:
         self._d = sorted(durations)
         self._suffix = [*reversed(list(itertools.accumulate(reversed(self._d)))), 0.0]
-        # the mean excess just after each finished duration (and at 0), running maximum
-        self._peak = list(
-            itertools.accumulate(
-                (self.expected(t) for t in (0.0, *self._d)),
-                max,
-            )
-        )
 
     def expected(self, spent: float) -> float:
         i = bisect.bisect_right(self._d, spent)
         n = len(self._d) - i
         return spent if n == 0 else (self._suffix[i] - n * spent) / n
 
-    def peak(self, spent: float) -> float:
-        i = bisect.bisect_left(self._d, spent)  # durations below `spent`, and 0
-        return max(self._peak[i], self.expected(spent))
+    def first_above(self, x: float) -> float:
+        d, suffix, m = self._d, self._suffix, len(self._d)
+        if m and suffix[0] / m > x:
+            return 0.0
+        for j, t in enumerate(d):  # just past d[j]: the calls longer than t
+            if j + 1 < m and d[j + 1] == t:
+                continue  # ties: the last of equal durations
+            n = m - j - 1
+            if n and (suffix[j + 1] - n * t) / n > x:
+                return t
+        # beyond every finished call the expected remainder is the time spent
+        if d and d[-1] > x:
+            return d[-1]
+        return math.nextafter(x, math.inf)
 
 
 def _capacity(s: Signals, use_host: bool) -> float:
@@ -377,11 +379,32 @@ def _capacity(s: Signals, use_host: bool) -> float:
     return device + (extra if s.host_reload_cost < 1.0 else 0.0)
 
 
-def _fit_terms(terms: tuple[float, ...], budget: float) -> int:
-    """How many leading terms (each >= 0) fit `budget`."""
-    if not terms or budget < 0:
+def _fit_dropping(
+    held: tuple[int, ...],
+    waiting: tuple[int, ...],
+    shared: int,
+    growth: float,
+    budget: float,
+    dropped: list[int],
+) -> int:
+    """`_fit` where the holders at the `dropped` positions count 0."""
+    if min(held, default=shared) < shared or min(waiting, default=shared) < shared:
+        out = set(dropped)
+        fit = 0
+        for i, ctx in enumerate((*held, *waiting)):
+            budget -= 0.0 if i in out else max(0, ctx - shared) + growth
+            if budget < 0:
+                break
+            fit += 1
+        return fit
+    if budget < 0:
         return 0
-    return bisect.bisect_right(list(itertools.accumulate(terms)), budget)
+    ctxs: list[float] = [*held, *waiting]
+    for i in dropped:  # no clamp here: this context's term, ctx - shared + growth, is 0
+        ctxs[i] = shared - growth
+    sums = list(itertools.accumulate(ctxs))
+    per = growth - shared
+    return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
 
 
 def _fit(

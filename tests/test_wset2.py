@@ -147,9 +147,13 @@ def test_remaining_time_is_the_mean_excess_of_longer_calls():
             longer = [d - spent for d in durations if d > spent]
             want = sum(longer) / len(longer) if longer else spent
             assert r.expected(spent) == pytest.approx(want)
-            # peak: the largest expected remainder at any time up to `spent`
-            points = [0.0, *(d for d in durations if d < spent), spent]
-            assert r.peak(spent) == pytest.approx(max(r.expected(t) for t in points))
+        # first_above(x): from when a call's expected remainder has passed x (at any time
+        # so far: its peak), found on a grid of times against the plain definition
+        x = rng.uniform(0.1, 80.0)
+        after = r.first_above(x)
+        for spent in [rng.uniform(0.01, 90.0) for _ in range(20)] + list(durations):
+            points = [0.0, *(d for d in durations if d <= spent), spent]
+            assert (spent >= after) == (max(r.expected(t) for t in points) > x)
 
 
 def test_the_gate_reports_tool_seconds_of_holders_and_finished_calls():
@@ -212,3 +216,22 @@ def test_through_the_runner_long_tool_calls_give_their_room_to_others(tmp_path):
     assert ws2.gate["window"]["mean"] > ws.gate["window"]["mean"]
     assert ws2.engine["tokens_prefill_recompute"] > ws.engine["tokens_prefill_recompute"]
     assert ws2.sim_seconds < ws.sim_seconds
+
+
+def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
+    from runner.policies import _fit_dropping
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        held = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
+        waiting = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
+        shared, growth = rng.choice([0, 800]), rng.choice([0.0, 250.0])
+        dropped = sorted(rng.sample(range(len(held)), rng.randint(0, len(held))))
+        budget = rng.uniform(-10, 60_000)
+        fit, left = 0, budget
+        for i, ctx in enumerate((*held, *waiting)):
+            left -= 0 if i in dropped else max(0, ctx - shared) + growth
+            if left < 0:
+                break
+            fit += 1
+        assert _fit_dropping(held, waiting, shared, growth, budget, dropped) == fit

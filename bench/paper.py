@@ -3,6 +3,7 @@
     python bench/paper.py                 # everything (~see the report for wall times)
     python bench/paper.py --quick         # Table 1 only
     python bench/paper.py --only qwen-tp8 # one configuration
+    python bench/paper.py --systems wset,wset2,wset2-sweep  # a subset, into outputs/
 
 Writes bench/results/paper.md (the paper's number beside ours in every cell), paper.json (one
 record per run) and timeline PNGs; each run's folder (control.jsonl, trajectories...) goes to

@@ -10,7 +10,15 @@ from runner.control import Controller
 from runner.engine import CacheStats
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.gate import Gate
-from runner.policies import AIMD, Signals, WorkingSet, WorkingSet2, _RemainingTime, make_policy
+from runner.policies import (
+    AIMD,
+    ContextList,
+    Signals,
+    WorkingSet,
+    WorkingSet2,
+    _RemainingTime,
+    make_policy,
+)
 from runner.sim.engine import make_sim_engine
 from runner.sim.vclock import run_virtual
 
@@ -27,8 +35,7 @@ def ws_sig(held, waiting, capacity=10_000, **kw):
         finished=0,
         unfinished=len(held) + len(waiting),
         capacity_tokens=capacity,
-        held_contexts=tuple(held),
-        waiting_contexts=tuple(waiting),
+        contexts=ContextList(tuple(held), tuple(waiting)),
         growth_per_step=0.0,
     )
     base.update(kw)
@@ -234,4 +241,41 @@ def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
             if left < 0:
                 break
             fit += 1
-        assert _fit_dropping(held, waiting, shared, growth, budget, dropped) == fit
+        assert _fit_dropping(ContextList(held, waiting), budget, growth, shared, dropped) == fit
+
+
+def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
+    # the gate's live view (tiny blocks: many of them) gives the same count as the plain
+    # running sum over the same contexts, for holders dropped anywhere among the holders
+    from runner import gate_order
+    from runner.policies import _fit_dropping
+
+    monkeypatch.setattr(gate_order, "LOAD", 2)
+    rng = random.Random(5)
+
+    async def main():
+        for _ in range(60):
+            n = rng.randint(1, 40)
+            gate = Gate(rng.randint(1, n))
+            tasks = [
+                asyncio.ensure_future(gate.acquire(f"a{i}", rng.randint(0, 5000))) for i in range(n)
+            ]
+            await asyncio.sleep(0)
+            view = gate.contexts()
+            flat = tuple(view)
+            for _ in range(20):
+                shared, growth = rng.choice([0, 800]), rng.choice([0.0, 250.0])
+                dropped = sorted(rng.sample(range(view.held), rng.randint(1, view.held)))
+                budget = rng.uniform(-10, 80_000)
+                fit, left = 0, budget
+                for i, ctx in enumerate(flat):
+                    left -= 0 if i in dropped else max(0, ctx - shared) + growth
+                    if left < 0:
+                        break
+                    fit += 1
+                assert _fit_dropping(view, budget, growth, shared, dropped) == fit
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())

@@ -110,4 +110,5 @@ def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
         },
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
+        "workspace_bound": batch.workspace_bound(),
     }

@@ -134,12 +134,20 @@ def result_observation(r: ExecResult, limits: Limits) -> Observation:
     if r.timed_out:
         status = f"[killed: timed out after {limits.timeout_s:g}s]"
     elif r.killed == "workspace":
-        status = "[killed: the workspace exceeded its size limit]"
+        status = (
+            f"[killed: the workspace exceeded its size limit of "
+            f"{limits.workspace_bytes / 2**20:g} MiB]"
+        )
     else:
         status = f"[exit code {r.exit_code}]"
     out = r.output if r.output.strip() else "(no output)"
     return Observation(
         cap(f"{out.rstrip()}\n{status}"),
         ok=not r.timed_out and r.exit_code == 0,
-        meta={"exit_code": r.exit_code, "timed_out": r.timed_out, "truncated": r.truncated},
+        meta={
+            "exit_code": r.exit_code,
+            "timed_out": r.timed_out,
+            "truncated": r.truncated,
+            "workspace_full": r.workspace_full,
+        },
     )

@@ -225,6 +225,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         keep_workspaces=(out / "workspaces") if args.keep_workspaces else None,
         workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
+        workspace_fs=args.workspace_fs,
         eval_timeout=args.eval_timeout,
         rollouts=not args.no_rollouts,
     )

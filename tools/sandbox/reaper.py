@@ -7,9 +7,9 @@ that stays too). So the batch starts this reaper (in its own session: a terminal
 does not reach it) with the read end of a pipe only the runner writes to. When the runner
 ends cleanly it says "done" first and the reaper just exits. When the runner dies, the read
 gets EOF without "done": the reaper SIGKILLs every process of the run's leased uids and of
-its cgroup (until none is left), removes its live-workspace folder and cgroup, and exits.
-It inherits the run's uid-lease locks, so those uids are not leased again before it is
-through.
+its cgroup (until none is left), unmounts the workspaces' size-limited filesystems, removes
+its live-workspace folder and cgroup, and exits. It inherits the run's uid-lease locks, so
+those uids are not leased again before it is through.
 
 Stdlib only, and run as a script (`python reaper.py ...`): it must not import the project.
 """
@@ -17,7 +17,10 @@ Stdlib only, and run as a script (`python reaper.py ...`): it must not import th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +29,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DONE = b"done"
+_MNT_DETACH = 2  # umount2 flags (linux/fs.h)
+_UMOUNT_NOFOLLOW = 8
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def process_uids() -> Iterable[tuple[int, int]]:
@@ -84,9 +90,50 @@ def _zombie(pid: int) -> bool:
         return True  # gone
 
 
+def mounts() -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, source) of every mount in this mount namespace."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, (fstype, source) = left.split(), right.split()[:2]
+            found.append((_unescape(fields[4]), _unescape(fstype), _unescape(source)))
+    return found
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes (\040 ...)
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def unmount(path: str) -> None:
+    """Unmount the filesystem mounted at `path` (never following a symlink); if it is busy
+    (a process still has a file open there), detach it: it goes once the last user does."""
+    target = os.fsencode(path)
+    if _libc.umount2(target, _UMOUNT_NOFOLLOW) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(target, _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
+        return
+    if err in (errno.EINVAL, errno.ENOENT):  # not (or no longer) a mount point
+        return
+    raise OSError(err, f"cannot unmount {path}: {os.strerror(err)}")
+
+
+def unmount_under(root: Path) -> int:
+    """Unmount every filesystem mounted at `root` or below it, deepest first; -> how many.
+    Only root can mount here (an agent's mounts live in its sandbox's own namespace)."""
+    top = os.path.abspath(root)
+    points = [mp for mp, _, _ in mounts() if mp == top or mp.startswith(top.rstrip("/") + "/")]
+    for mp in sorted(points, key=lambda p: -p.count("/")):
+        unmount(mp)
+    return len(points)
+
+
 def clean_up(uids: list[range], cgroup: Path | None, workspaces: Path | None) -> None:
     """Kill until nothing is left (a process may fork while the first pass runs), then
-    remove the folders. Bounded: a process in uninterruptible sleep must not hang us."""
+    unmount the workspaces' filesystems and remove the folders. Bounded: a process in
+    uninterruptible sleep must not hang us."""
     for _ in range(50):
         n = kill_uid_processes(uids) if uids else 0
         n += kill_cgroup(cgroup) if cgroup is not None and cgroup.exists() else 0
@@ -94,6 +141,8 @@ def clean_up(uids: list[range], cgroup: Path | None, workspaces: Path | None) ->
             break
         time.sleep(0.05)
     if workspaces is not None and workspaces.exists():
+        with contextlib.suppress(OSError):  # not root: nothing of ours is mounted
+            unmount_under(workspaces)
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workspaces)], check=False)
     if cgroup is not None and cgroup.exists():
         remove_cgroup(cgroup)

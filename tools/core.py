@@ -134,10 +134,7 @@ def result_observation(r: ExecResult, limits: Limits) -> Observation:
     if r.timed_out:
         status = f"[killed: timed out after {limits.timeout_s:g}s]"
     elif r.killed == "workspace":
-        status = (
-            f"[killed: the workspace exceeded its size limit of "
-            f"{limits.workspace_bytes / 2**20:g} MiB]"
-        )
+        status = "[killed: the workspace exceeded its size limit]"
     else:
         status = f"[exit code {r.exit_code}]"
     out = r.output if r.output.strip() else "(no output)"

@@ -48,25 +48,30 @@ fi
 {GIT} update-ref {BASE_REF} "$base"
 echo "BASE $base $kind"
 """
+
+
 # The diff stages the final workspace in a temporary index and object store under /tmp (the
 # repository's objects borrowed read-only), so it writes nothing into the workspace: a full
 # workspace still gets its patch. Each failure is named on a CONCUR-ERROR line.
-_DIFF = f"""[ -e .git ] || {{ echo "CONCUR-ERROR no-git"; exit 90; }}
+def _diff_script(base: str) -> str:
+    return f"""[ -e .git ] || {{ echo "CONCUR-ERROR no-git"; exit 90; }}
 objects=$({GIT} rev-parse --path-format=absolute --git-path objects 2>/dev/null) ||
   {{ echo "CONCUR-ERROR bad-git"; exit 91; }}
-{GIT} cat-file -e "{{base}}^{{{{commit}}}}" 2>/dev/null ||
+{GIT} cat-file -e "{base}^{{commit}}" 2>/dev/null ||
   {{ echo "CONCUR-ERROR no-base"; exit 92; }}
 tmp=$(mktemp -d) || {{ echo "CONCUR-ERROR no-tmp"; exit 93; }}
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/objects"
 export GIT_INDEX_FILE="$tmp/index" GIT_OBJECT_DIRECTORY="$tmp/objects"
 export GIT_ALTERNATE_OBJECT_DIRECTORIES="$objects"
-if ! {GIT} read-tree {{base}} 2>"$tmp/err" || ! {GIT} add -A >/dev/null 2>"$tmp/err"; then
+if ! {GIT} read-tree {base} 2>"$tmp/err" || ! {GIT} add -A >/dev/null 2>"$tmp/err"; then
   echo "CONCUR-ERROR git-add"; tail -c 1500 "$tmp/err"; exit 94
 fi
-{GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv {{base}} 2>"$tmp/err" ||
+{GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv {base} 2>"$tmp/err" ||
   {{ echo; echo "CONCUR-ERROR git-diff"; tail -c 1500 "$tmp/err"; exit 95; }}
 """
+
+
 _FAILURES = {
     "no-git": "the workspace has no .git any more (it was deleted)",
     "bad-git": "git cannot read the repository in .git (it was damaged)",
@@ -101,7 +106,7 @@ async def capture_patch(ctx: ToolContext) -> dict[str, Any]:
     base = ctx.state["git_base"]
     limits = replace(ctx.limits, output_bytes=PATCH_BYTES)
     try:
-        r = await ctx.sandbox.run(_DIFF.format(base=base), ctx.workspace, ctx.uid, limits)
+        r = await ctx.sandbox.run(_diff_script(base), ctx.workspace, ctx.uid, limits)
     except OSError as e:
         return {"base": base, "error": str(e), "summary": "The patch could not be captured."}
     if r.timed_out or r.exit_code != 0:
@@ -129,6 +134,11 @@ def _patch_failure(r: ExecResult, ctx: ToolContext) -> str:
     """What went wrong, from the script's CONCUR-ERROR line (or the exit status)."""
     if r.timed_out:
         return f"git timed out after {ctx.limits.timeout_s:g}s"
+    if r.killed == "workspace":  # the watch (a workspace not on its own filesystem)
+        return (
+            f"the workspace is over its size limit of {_mib(ctx.limits.workspace_bytes)}, so "
+            "the sandbox stopped git"
+        )
     own = r.output[: len(r.output) - len(r.notes)]  # without the sandbox's notes
     m = re.search(r"^CONCUR-ERROR (\S+)$", own, re.MULTILINE)
     why = _FAILURES.get(m.group(1), m.group(1)) if m else f"git exit code {r.exit_code}"

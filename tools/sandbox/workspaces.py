@@ -199,12 +199,14 @@ def _mount_image(path: Path, size: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(img)  # the loop device keeps it; unmounting frees it
     os.rmdir(path / "lost+found")  # not the agent's (and a git add would trip over it)
+    # The whole tree, its root directory's own block included, must fit in `size`.
+    room = size - os.stat(path).st_blocks * 512
     st = os.statvfs(path)
-    reserve = st.f_bavail - size // st.f_frsize
+    reserve = st.f_bavail - room // st.f_frsize
     if reserve < 0:
         raise OSError(f"ext4 image for {path}: {st.f_bavail} free blocks, fewer than the limit")
     _cmd("tune2fs", "-r", str(reserve), _source(path))
-    if os.statvfs(path).f_bavail * st.f_frsize != size:
+    if os.statvfs(path).f_bavail * st.f_frsize != room:
         raise OSError(f"ext4 image for {path}: free space is not the limit after tune2fs")
 
 

@@ -516,7 +516,7 @@ class Batch:
         git base commit (so that submit can capture the patch)."""
         ws = ctx.workspace
         remove_tree(ws)  # left by an interrupted run: start clean
-        self._make_workspace(ws)
+        await self._make_workspace(ws)
         source = Path(task.workspace) if task.workspace else None
         if task.swe is not None:  # a clone of the task's repository at its base commit
             await asyncio.to_thread(checkout, ws, task.swe, self.config.limits.workspace_bytes)
@@ -541,11 +541,13 @@ class Batch:
                 log.warning("task %s: no patch will be captured: %s", task.id, rec["git"]["error"])
         return rec or None
 
-    def _make_workspace(self, ws: Path) -> None:
+    async def _make_workspace(self, ws: Path) -> None:
         """An empty workspace on its own size-limited filesystem (a plain directory for a
-        sandbox that runs no commands, the simulator's)."""
+        sandbox that runs no commands, the simulator's). Off the loop: an ext4 image takes
+        three subprocesses."""
         fs = self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch"
-        bound = make_workspace(ws, self.config.limits.workspace_bytes, fs)
+        limit = self.config.limits.workspace_bytes
+        bound = await asyncio.to_thread(make_workspace, ws, limit, fs)
         self.workspace_bounds[bound] = self.workspace_bounds.get(bound, 0) + 1
 
     def workspace_bound(self) -> dict[str, Any]:

@@ -214,3 +214,17 @@ def test_batch_reports_the_full_workspace_and_its_bound(tmp_path: Path, needs_bw
     assert bound["exact"] and bound["workspaces"] == {"tmpfs": 1}
     assert bound["limit_bytes"] == 256 * 2**20
     assert not mounted_under(workspace_root(out))
+
+
+@pytest.mark.parametrize("mib", [1, 3, 256, 1024])
+def test_every_size_is_exact(mib: int, root: Path) -> None:
+    """Whatever the limit, the filesystem holds exactly that much: tmpfs by its size, the ext4
+    image by its reserve (its root directory's block included)."""
+    for fs in EXACT:
+        ws = root / f"size-{fs}-{mib}"
+        bound = make_workspace(ws, mib * 2**20, fs)
+        assert bound.exact and bound.limit == mib * 2**20
+        used_now, free = space(ws, bound)
+        assert used_now + free == bound.limit and used_now <= 4096
+        remove_tree(ws)
+        assert not mounted_under(ws)

@@ -123,7 +123,7 @@ def unmount(path: str) -> None:
 def unmount_under(root: Path) -> int:
     """Unmount every filesystem mounted at `root` or below it, deepest first; -> how many.
     Only root can mount here (an agent's mounts live in its sandbox's own namespace)."""
-    top = os.path.abspath(root)
+    top = os.path.realpath(root)  # as mountinfo names it
     points = [mp for mp, _, _ in mounts() if mp == top or mp.startswith(top.rstrip("/") + "/")]
     for mp in sorted(points, key=lambda p: -p.count("/")):
         unmount(mp)

@@ -37,6 +37,7 @@ DEFAULT_FS = "tmpfs"
 _BLOCK = 4096
 _ENTRY_BYTES = 4096  # inodes allowed: one per 4 KiB of limit, like the watch's charge per entry
 _MIN_INODES = 4096
+_INODE_BYTES = 256  # ext4's inode size
 _TAG = "concur-ws"  # tmpfs source "concur-ws.<pid>.<start>"; image ".concur-ws.<pid>.<start>.*"
 _MS_NOSUID, _MS_NODEV = 2, 4
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -70,8 +71,8 @@ def make_workspace(path: Path, limit: int, fs: str = DEFAULT_FS) -> WorkspaceBou
     once in the log and in the returned bound. Remove it with `filesystem.remove_tree`."""
     if fs not in FS_KINDS:
         raise ValueError(f"unknown workspace filesystem {fs!r}; valid: {', '.join(FS_KINDS)}")
-    path = Path(path).absolute()
     path.mkdir(parents=True)
+    path = Path(path).resolve()  # as the sandbox and /proc/self/mountinfo name it
     size = limit // _BLOCK * _BLOCK
     if fs == "watch":
         return WorkspaceBound("watch", limit)
@@ -97,7 +98,7 @@ def make_workspace(path: Path, limit: int, fs: str = DEFAULT_FS) -> WorkspaceBou
 def workspace_bound(path: Path) -> WorkspaceBound | None:
     """The exact bound of a workspace this process made and that is still mounted, else
     None (then only the watch bounds it)."""
-    entry = _MOUNTED.get(Path(path).absolute())
+    entry = _MOUNTED.get(Path(path).resolve())
     if entry is None:
         return None
     try:
@@ -116,7 +117,7 @@ def space(path: Path, bound: WorkspaceBound) -> tuple[int, int]:
 
 def release(path: Path) -> None:
     """Unmount whatever is mounted at or under `path` (deepest first) and forget it."""
-    top = Path(path).absolute()
+    top = Path(path).resolve()
     for p in [p for p in _MOUNTED if p == top or top in p.parents]:
         del _MOUNTED[p]
     unmount_under(top)
@@ -188,11 +189,13 @@ def _mount_image(path: Path, size: int) -> None:
     reserved for root by tune2fs -r), loop-mounted at `path`; the file unlinked once mounted."""
     fd, img = tempfile.mkstemp(prefix=f".{_owner_tag()}.", suffix=".img", dir=path.parent)
     try:
-        os.ftruncate(fd, size + size // 32 + 4 * 2**20)  # room for ext4's own metadata
-        os.close(fd)
         inodes = max(_MIN_INODES, size // _ENTRY_BYTES)
+        # room for ext4's own: inode tables, bitmaps, descriptors, its 2% reserve (at most 16 MiB)
+        os.ftruncate(fd, size + inodes * _INODE_BYTES + size // 32 + 2**20)
+        os.close(fd)
         # no journal: a workspace does not outlive a crash; nodiscard: the file stays sparse
-        mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", str(_BLOCK), "-N", str(inodes)]
+        mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", str(_BLOCK), "-I", str(_INODE_BYTES)]
+        mkfs += ["-N", str(inodes)]
         _cmd(*mkfs, "-O", "^has_journal,^resize_inode", "-E", "nodiscard,lazy_itable_init=1", img)
         _cmd("mount", "-o", "loop,nosuid,nodev,noinit_itable", img, str(path))
     finally:

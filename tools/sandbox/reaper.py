@@ -7,9 +7,9 @@ that stays too). So the batch starts this reaper (in its own session: a terminal
 does not reach it) with the read end of a pipe only the runner writes to. When the runner
 ends cleanly it says "done" first and the reaper just exits. When the runner dies, the read
 gets EOF without "done": the reaper SIGKILLs every process of the run's leased uids and of
-its cgroup (until none is left), unmounts the workspaces' size-limited filesystems, removes
-its live-workspace folder and cgroup, and exits. It inherits the run's uid-lease locks, so
-those uids are not leased again before it is through.
+its cgroup (until none is left), removes its live-workspace folder and cgroup, and exits.
+It inherits the run's uid-lease locks, so those uids are not leased again before it is
+through.
 
 Stdlib only, and run as a script (`python reaper.py ...`): it must not import the project.
 """
@@ -29,9 +29,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DONE = b"done"
-_MNT_DETACH = 2  # umount2 flags (linux/fs.h)
-_UMOUNT_NOFOLLOW = 8
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def process_uids() -> Iterable[tuple[int, int]]:
@@ -82,12 +79,11 @@ def remove_cgroup(root: Path) -> None:
         root.rmdir()
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # gone
+# Workspaces on their own filesystems (tools/sandbox/workspaces.py) are unmounted before the
+# folder is removed: rm --one-file-system would skip them, and the mounts would stay.
+_MNT_DETACH = 2  # umount2 flags (linux/fs.h)
+_UMOUNT_NOFOLLOW = 8
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def mounts() -> list[tuple[str, str, str]]:
@@ -130,19 +126,28 @@ def unmount_under(root: Path) -> int:
     return len(points)
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
 def clean_up(uids: list[range], cgroup: Path | None, workspaces: Path | None) -> None:
     """Kill until nothing is left (a process may fork while the first pass runs), then
-    unmount the workspaces' filesystems and remove the folders. Bounded: a process in
-    uninterruptible sleep must not hang us."""
+    remove the folders. Bounded: a process in uninterruptible sleep must not hang us."""
     for _ in range(50):
         n = kill_uid_processes(uids) if uids else 0
         n += kill_cgroup(cgroup) if cgroup is not None and cgroup.exists() else 0
         if n == 0:
             break
         time.sleep(0.05)
-    if workspaces is not None and workspaces.exists():
-        with contextlib.suppress(OSError):  # not root: nothing of ours is mounted
+    if workspaces is not None:  # the workspaces' own filesystems first (not root: none)
+        with contextlib.suppress(OSError):
             unmount_under(workspaces)
+
+    if workspaces is not None and workspaces.exists():
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workspaces)], check=False)
     if cgroup is not None and cgroup.exists():
         remove_cgroup(cgroup)

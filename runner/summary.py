@@ -108,7 +108,7 @@ def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
             "cache": engine.cache_stats().extra,
             "stats": engine.stats() if isinstance(engine, EngineStats) else None,
         },
+        "workspace_bound": batch.workspace_bound(),  # exact or watched (docs/sandbox.md)
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
-        "workspace_bound": batch.workspace_bound(),
     }

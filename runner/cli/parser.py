@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="none: NO isolation (rlimits only); only for trusted tasks and models",
     )
     g.add_argument(
+        "--tool-timeout", type=float, default=Limits.timeout_s, help="seconds per tool call"
+    )
+    g.add_argument(
+        "--eval-timeout", type=float, default=BatchConfig.eval_timeout, help="seconds per eval"
+    )
+    g.add_argument(
         "--workspace-fs",
         default=BatchConfig.workspace_fs,
         choices=list(FS_KINDS),
@@ -262,12 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
         "its own loop-mounted ext4 image (exact; disk-backed, ~50 ms more per workspace), or "
         "watch (size checked while commands run; not exact). Needs root for tmpfs and ext4; "
         "falls back to watch, said in the log and summary.json (docs/sandbox.md)",
-    )
-    g.add_argument(
-        "--tool-timeout", type=float, default=Limits.timeout_s, help="seconds per tool call"
-    )
-    g.add_argument(
-        "--eval-timeout", type=float, default=BatchConfig.eval_timeout, help="seconds per eval"
     )
     g.add_argument(
         "--keep-workspaces",

@@ -82,14 +82,14 @@ class Sandbox:
             raise FileNotFoundError(
                 f"workspace {workspace} does not exist; call prepare_workspace() first"
             )
+        # On its own filesystem the workspace cannot outgrow its limit: no watch needed.
+        bound = workspace_bound(workspace)
         loop = asyncio.get_running_loop()
         info_r, info_w = os.pipe() if self._uses_info_fd else (None, None)
         argv, cwd, env = self._argv(command, workspace, uid, limits, info_w)
         start = time.monotonic()
         proc = spawn(argv, cwd, env, stdin is not None, info_r, info_w)
         run = Run(loop, proc, uid, limits.output_bytes, info_r, self._sweep_argv(uid))
-        # On its own filesystem the workspace cannot outgrow its limit: no watch needed.
-        bound = workspace_bound(workspace)
         self._runs.add(run)
         try:
             with inflight(uid):

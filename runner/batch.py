@@ -551,14 +551,17 @@ class Batch:
         self.workspace_bounds[bound] = self.workspace_bounds.get(bound, 0) + 1
 
     def workspace_bound(self) -> dict[str, Any]:
-        """For summary.json: how the workspace size was bounded (exact only if every
-        workspace was on its own filesystem)."""
+        """For summary.json: how the workspace size was bounded, exact only if every
+        workspace was on its own filesystem (None: this session made none)."""
         made = self.workspace_bounds
+        counts: dict[str, int] = {}
+        for bound, n in made.items():
+            counts[bound.fs] = counts.get(bound.fs, 0) + n
         return {
             "limit_bytes": self.config.limits.workspace_bytes,
-            "asked": self.config.workspace_fs,
-            "workspaces": {b.fs: sum(n for c, n in made.items() if c.fs == b.fs) for b in made},
-            "exact": bool(made) and all(b.exact for b in made),
+            "asked": self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch",
+            "workspaces": counts,
+            "exact": all(b.exact for b in made) if made else None,
             "why_not_exact": sorted({b.why for b in made if b.why}),
         }
 

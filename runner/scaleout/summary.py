@@ -54,7 +54,7 @@ def distributed_summary(
 def merged_bound(bounds: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """The workers' workspace bounds: a worker's whose bound was not exact, if any."""
     known = [b for b in bounds if b is not None]
-    return next((b for b in known if not b["exact"]), known[0] if known else None)
+    return next((b for b in known if b["exact"] is False), known[0] if known else None)
 
 
 def worker_entry(h: Handle) -> dict[str, Any]:

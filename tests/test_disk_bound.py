@@ -144,23 +144,34 @@ def loops_of(path: Path) -> list[str]:
 
 def test_sigkilled_maker_leaves_nothing_after_the_sweep(root: Path) -> None:
     """A process that mounted workspaces is SIGKILLed: its mounts stay (nothing unmounts them
-    in the kernel), and the next runner's sweep unmounts them, loop devices included."""
+    in the kernel), and the next runner's sweep unmounts them and detaches their loop devices,
+    one never mounted included."""
     folder = root / "killed"
-    code = (
-        "import sys, time; from pathlib import Path; "
-        "from tools.sandbox import make_workspace; "
-        f"[make_workspace(Path({str(folder)!r}) / fs, {LIMIT}, fs) for fs in ('tmpfs', 'ext4')]; "
-        "print('ready', flush=True); time.sleep(60)"
-    )
+    code = f"""
+import os, subprocess, time
+from pathlib import Path
+from tools.sandbox import make_workspace
+from tools.sandbox.workspaces import _owner_tag
+d = Path({str(folder)!r})
+for fs in ("tmpfs", "ext4"):
+    make_workspace(d / fs, {LIMIT}, fs)
+# as if killed inside `mount -o loop`: a loop device of a tagged image, never mounted
+img = d / f".{{_owner_tag()}}.x.img"
+img.write_bytes(bytes(2**20))
+subprocess.run(["losetup", "-f", str(img)], check=True)
+img.unlink()
+print("ready", flush=True)
+time.sleep(60)
+"""
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE)
     try:
         assert p.stdout is not None and p.stdout.readline() == b"ready\n"
-        assert len(mounted_under(folder)) == 2 and len(loops_of(folder)) == 1
+        assert len(mounted_under(folder)) == 2 and len(loops_of(folder)) == 2
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert len(mounted_under(folder)) == 2  # what a killed runner leaves
-    assert sweep_stale_mounts() >= 2
+    assert sweep_stale_mounts() >= 3
     assert not mounted_under(folder) and not loops_of(folder)
     assert not list(folder.iterdir())  # the mount points are gone too
 

@@ -139,6 +139,7 @@ def sweep_stale_mounts() -> int:
         with contextlib.suppress(OSError):
             os.rmdir(mp)
         n += 1
+    n += _detach_stale_loops()
     if n:
         log.warning("unmounted %d workspace filesystems left by dead runners", n)
     return n
@@ -230,14 +231,35 @@ def _source(path: Path) -> str:
     raise OSError(f"{path} is not mounted")
 
 
+def _detach_stale_loops() -> int:
+    """Detach the loop devices of dead runners' images that never got mounted (a runner
+    killed inside `mount -o loop`: auto-clear only acts on an unmount); -> how many."""
+    mounted = {source for _, _, source in mounts()}
+    n = 0
+    for block in Path("/sys/block").glob("loop*"):
+        dev = f"/dev/{block.name}"
+        owner = _tag_owner(_backing_name(dev))
+        if owner is None or _alive(*owner) or dev in mounted:
+            continue
+        try:
+            _cmd("losetup", "-d", dev)
+            n += 1
+        except OSError as e:
+            log.warning("could not detach a dead runner's loop device %s: %s", dev, e)
+    return n
+
+
 def _owner(fstype: str, source: str) -> tuple[int, int] | None:
     """(pid, start time) of the runner that mounted a workspace filesystem, None if not ours."""
     if fstype == "tmpfs":
-        tag = source
-    elif fstype == "ext4" and source.startswith("/dev/loop"):
-        tag = _backing_name(source)
-    else:
-        return None
+        return _tag_owner(source)
+    if fstype == "ext4" and source.startswith("/dev/loop"):
+        return _tag_owner(_backing_name(source))
+    return None
+
+
+def _tag_owner(tag: str) -> tuple[int, int] | None:
+    """(pid, start time) named by one of our tags, None if it is not one."""
     if not tag.startswith(_TAG + "."):
         return None
     parts = tag.split(".")

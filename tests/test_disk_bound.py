@@ -24,7 +24,14 @@ from runner.cli.main import workspace_root
 from tools.core import ToolContext
 from tools.gitrepo import ensure_repo
 from tools.registry import get_tools
-from tools.sandbox import BwrapSandbox, Limits, make_workspace, move_tree, remove_tree
+from tools.sandbox import (
+    BwrapSandbox,
+    Limits,
+    UnsandboxedSandbox,
+    make_workspace,
+    move_tree,
+    remove_tree,
+)
 from tools.sandbox.workspaces import space, sweep_stale_mounts, workspace_bound
 
 from .conftest import ROOT, read_jsonl, run_cli, write_jsonl
@@ -49,7 +56,7 @@ def mounted_under(path: Path) -> list[str]:
     return [p for p in points if p == top or p.startswith(top + "/")]
 
 
-def make_ctx(sb: BwrapSandbox, root: Path, fs: str, **lim) -> ToolContext:
+def make_ctx(sb: BwrapSandbox | UnsandboxedSandbox, root: Path, fs: str, **lim) -> ToolContext:
     uid = next(_uids)
     ws = root / f"{fs}-{uid}"
     bound = make_workspace(ws, LIMIT, fs)
@@ -96,6 +103,16 @@ def test_dd_fallocate_and_python_stop_at_the_bound(fs: str, root: Path) -> None:
     assert used(ctx) <= LIMIT and "8.0 MiB" in o.text
     o = call(ctx, "bash", command="rm -f fa p && df --output=size -B1 . | tail -1")
     assert o.ok and "workspace" not in o.text and used(ctx) < 256 * 1024
+    asyncio.run(sb.aclose())
+
+
+def test_mode_none_is_bounded_too(root: Path) -> None:
+    """--sandbox none runs commands in the real workspace path: the same mount bounds them."""
+    sb = UnsandboxedSandbox()
+    ctx = make_ctx(sb, root, "tmpfs")
+    o = call(ctx, "bash", command="dd if=/dev/zero of=big bs=4k count=16384")
+    assert not o.ok and "No space left on device" in o.text and o.meta["workspace_full"]
+    assert used(ctx) <= LIMIT
     asyncio.run(sb.aclose())
 
 

@@ -236,7 +236,8 @@ def test_batch_reports_the_full_workspace_and_its_bound(tmp_path: Path, needs_bw
     text = json.dumps(rec)
     assert "error writing 'standard output': No space left on device" in text
     assert "[workspace full: 256.0 MiB used of its 256.0 MiB limit (its own tmpfs" in text
-    assert rec["patch"]["files"] >= 17 and "+hi" in rec["patch"]["diff"]
+    # captured (cut at 1 MiB: 18 binary files of zeros do not fit), though the workspace is full
+    assert rec["patch"]["files"] >= 2 and "+hi" in rec["patch"]["diff"]
     bound = json.loads((out / "summary.json").read_text())["workspace_bound"]
     assert bound["exact"] and bound["workspaces"] == {"tmpfs": 1}
     assert bound["limit_bytes"] == 256 * 2**20

@@ -543,11 +543,15 @@ class Batch:
 
     async def _make_workspace(self, ws: Path) -> None:
         """An empty workspace on its own size-limited filesystem (a plain directory for a
-        sandbox that runs no commands, the simulator's). Off the loop: an ext4 image takes
-        three subprocesses."""
+        sandbox that runs no commands, the simulator's). An ext4 image takes three
+        subprocesses: off the loop; the rest is a mount(2) or a mkdir, kept on it (a thread
+        would let a simulated run's virtual clock jump while it waits)."""
         fs = self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch"
         limit = self.config.limits.workspace_bytes
-        bound = await asyncio.to_thread(make_workspace, ws, limit, fs)
+        if fs == "ext4":
+            bound = await asyncio.to_thread(make_workspace, ws, limit, fs)
+        else:
+            bound = make_workspace(ws, limit, fs)
         self.workspace_bounds[bound] = self.workspace_bounds.get(bound, 0) + 1
 
     def workspace_bound(self) -> dict[str, Any]:

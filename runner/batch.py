@@ -27,7 +27,9 @@ from tools.sandbox import (
     Limits,
     Sandbox,
     UidLease,
+    WorkspaceBound,
     lease_uids,
+    make_workspace,
     move_tree,
     remove_tree,
     start_reaper,
@@ -116,6 +118,9 @@ class BatchConfig:
     # clear what a killed run left; None: a fresh temp dir.
     workspace_root: Path | None = None
     limits: Limits = field(default_factory=Limits)
+    # how limits.workspace_bytes is enforced: each workspace its own "tmpfs" or "ext4"
+    # filesystem (exact), or "watch" (checked while commands run); tools/sandbox/workspaces.py
+    workspace_fs: str = "tmpfs"
     eval_timeout: float = 300.0
     constrain_tool_calls: bool = False  # engines that can: every reply is one valid call
     # Commit each prepared workspace as the git base that submit diffs against (simulated
@@ -190,6 +195,7 @@ class Batch:
         self._started: dict[str, float] = {}
         self._ended: dict[str, tuple[str, float]] = {}
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
+        self.workspace_bounds: dict[WorkspaceBound, int] = {}  # how many workspaces got each
         if config.workspace_root is None:
             self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
         else:
@@ -510,7 +516,7 @@ class Batch:
         git base commit (so that submit can capture the patch)."""
         ws = ctx.workspace
         remove_tree(ws)  # left by an interrupted run: start clean
-        ws.mkdir(parents=True)
+        await self._make_workspace(ws)
         source = Path(task.workspace) if task.workspace else None
         if task.swe is not None:  # a clone of the task's repository at its base commit
             await asyncio.to_thread(checkout, ws, task.swe, self.config.limits.workspace_bytes)
@@ -534,6 +540,34 @@ class Batch:
             if "error" in rec["git"]:
                 log.warning("task %s: no patch will be captured: %s", task.id, rec["git"]["error"])
         return rec or None
+
+    async def _make_workspace(self, ws: Path) -> None:
+        """An empty workspace on its own size-limited filesystem (a plain directory for a
+        sandbox that runs no commands, the simulator's). An ext4 image takes three
+        subprocesses: off the loop; the rest is a mount(2) or a mkdir, kept on it (a thread
+        would let a simulated run's virtual clock jump while it waits)."""
+        fs = self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch"
+        limit = self.config.limits.workspace_bytes
+        if fs == "ext4":
+            bound = await asyncio.to_thread(make_workspace, ws, limit, fs)
+        else:
+            bound = make_workspace(ws, limit, fs)
+        self.workspace_bounds[bound] = self.workspace_bounds.get(bound, 0) + 1
+
+    def workspace_bound(self) -> dict[str, Any]:
+        """For summary.json: how the workspace size was bounded, exact only if every
+        workspace was on its own filesystem (None: this session made none)."""
+        made = self.workspace_bounds
+        counts: dict[str, int] = {}
+        for bound, n in made.items():
+            counts[bound.fs] = counts.get(bound.fs, 0) + n
+        return {
+            "limit_bytes": self.config.limits.workspace_bytes,
+            "asked": self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch",
+            "workspaces": counts,
+            "exact": all(b.exact for b in made) if made else None,
+            "why_not_exact": sorted({b.why for b in made if b.why}),
+        }
 
     async def _evaluate(self, task: Task, ctx: ToolContext) -> dict[str, Any] | None:
         return await evaluate(

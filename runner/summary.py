@@ -89,6 +89,12 @@ def build_summary(
     }
 
 
+def _workspace_fs(batch: Batch) -> str:
+    """The workspaces' filesystem kind in force: "watch" if any fell back to it."""
+    made = batch.workspace_bound()
+    return "watch" if made["exact"] is False else batch.config.workspace_fs
+
+
 def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
     """What one batch process reports of its session: its totals, engine, gate and sandbox
     (a worker of a batch over many nodes sends these to the driver)."""
@@ -110,8 +116,9 @@ def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
             "cache": engine.cache_stats().extra,
             "stats": engine.stats() if isinstance(engine, EngineStats) else None,
         },
+        "workspace_bound": batch.workspace_bound(),  # exact or watched (docs/sandbox.md)
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
         # what really bounds the agents here (root/user/none, memory, processes, network)
-        "limits": limits_in_force(batch.sandbox, batch.config.limits),
+        "limits": limits_in_force(batch.sandbox, batch.config.limits, _workspace_fs(batch)),
     }

@@ -25,7 +25,8 @@ from .conftest import SWE, read_jsonl, run_cli, write_jsonl
 
 # Every call but the fork bomb and the CPU loop (killed at it) must end within the tool
 # timeout, 15 agents at once, git setup and submit included. 3 s was too tight on a loaded
-# 2-core machine: the disk fill took 3.15 s to reach 256 MiB beside 8 busy loops.
+# 2-core machine: the disk fill (then on disk, watched) took 3.15 s to reach 256 MiB beside 8
+# busy loops.
 TOOL_TIMEOUT = 10
 FAST = ["--engine", "replay", "--policy", "none", "--n-ctx", "1000000", "--control-period", "0.5"]
 HOST_MARKERS = ("/etc/pwned-by-agent", "/usr/pwned-by-agent", "/pwned-by-agent")
@@ -268,9 +269,10 @@ def test_attacks_contained_in_a_batch(tmp_path: Path, needs_bwrap) -> None:
     assert o.endswith("[exit code 0]")  # drained past the cap: the writer finished
     assert recs["output-flood"]["step_log"][0]["tool_seconds"] < 30
 
-    o = obs(recs["disk-fill"])
-    assert "[killed: the workspace exceeded its size limit]" in o[0]
-    assert "workspace grew past its size limit" in o[0] and "cleaned" in o[1]
+    o = obs(recs["disk-fill"])  # the workspace is its own 256 MiB tmpfs: ENOSPC at the limit
+    assert "OSError: [Errno 28] No space left on device" in o[0]
+    assert "[workspace full: 256.0 MiB used of its 256.0 MiB limit (its own tmpfs" in o[0]
+    assert "cleaned" in o[1] and "workspace full" not in o[1]
 
     o = obs(recs["escapee"])
     assert o[0] == "started\n[exit code 0]" and "later" in o[1]

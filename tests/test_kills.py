@@ -1,7 +1,7 @@
 """Nothing outlives the runner: 20 SIGKILLs of a real `run.py` (real bwrap sandboxes, tool
 commands starting and ending all the time) at random moments; after each, no process of the
-run and no workspace is left once its reaper is through; then a rerun finishes every task
-exactly once and leaves nothing either. Needs the sandbox lock (agent uids)."""
+run, no workspace and no workspace mount is left once its reaper is through; then a rerun
+finishes every task exactly once and leaves nothing either. Needs the sandbox lock (agent uids)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,22 @@ def marked(mark: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+def mounts_under(ws: Path) -> list[str]:
+    """The workspaces' own filesystems (tmpfs by default) still mounted, from /proc/mounts."""
+    points = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    return [p for p in points if p == str(ws) or p.startswith(f"{ws}/")]
+
+
 def wait_until_clean(mark: str, ws: Path, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not marked(mark) and not ws.exists():
+        if not marked(mark) and not ws.exists() and not mounts_under(ws):
             return
         time.sleep(0.1)
-    raise AssertionError(f"left behind: processes {marked(mark)}, workspaces {ws.exists()}")
+    raise AssertionError(
+        f"left behind: processes {marked(mark)}, workspaces {ws.exists()}, "
+        f"mounts {mounts_under(ws)}"
+    )
 
 
 def test_twenty_sigkills_leave_nothing_behind(tmp_path, needs_bwrap):

@@ -141,5 +141,10 @@ def result_observation(r: ExecResult, limits: Limits) -> Observation:
     return Observation(
         cap(f"{out.rstrip()}\n{status}"),
         ok=not r.timed_out and r.exit_code == 0,
-        meta={"exit_code": r.exit_code, "timed_out": r.timed_out, "truncated": r.truncated},
+        meta={
+            "exit_code": r.exit_code,
+            "timed_out": r.timed_out,
+            "truncated": r.truncated,
+            "workspace_full": r.workspace_full,
+        },
     )

@@ -34,6 +34,7 @@ NOT_RESULTS = frozenset(
         "task_ids",
         "keep_errors",
         "keep_workspaces",  # where finished workspaces go, not what happens in them
+        "workspace_fs",  # how the same size limit is enforced
         "eval_only",
         "threads",
     }

@@ -123,7 +123,7 @@ def _main(args: argparse.Namespace) -> int:
     except SandboxUnavailable as e:
         discard_if_new(store, fresh)
         return fail(str(e))
-    log.info("%s", limits_line(sandbox, plan.config.limits))
+    log.info("%s", limits_line(sandbox, plan.config.limits, plan.config.workspace_fs))
     if args.eval_only:
         return eval_only(plan.tasks, store, sandbox, plan.config)
     try:
@@ -251,6 +251,7 @@ def dataset_plan(args: argparse.Namespace) -> Plan:
         keep_workspaces=(out / "workspaces") if args.keep_workspaces else None,
         workspace_root=workspace_root(out),
         limits=Limits(timeout_s=args.tool_timeout),
+        workspace_fs=args.workspace_fs,
         eval_timeout=args.eval_timeout,
         rollouts=not args.no_rollouts,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tools.registry import DEFAULT_TOOLS
 from tools.registry import REGISTRY as TOOL_REGISTRY
-from tools.sandbox import MODES, Limits
+from tools.sandbox import FS_KINDS, MODES, Limits
 
 from ..batch import BatchConfig
 from ..control import DEFAULT_CONTROL_PERIOD
@@ -261,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--eval-timeout", type=float, default=BatchConfig.eval_timeout, help="seconds per eval"
+    )
+    g.add_argument(
+        "--workspace-fs",
+        default=BatchConfig.workspace_fs,
+        choices=list(FS_KINDS),
+        help="how each workspace's size limit is enforced: its own tmpfs (exact; RAM-backed), "
+        "its own loop-mounted ext4 image (exact; disk-backed, ~50 ms more per workspace), or "
+        "watch (size checked while commands run; not exact). Needs root for tmpfs and ext4; "
+        "falls back to watch, said in the log and summary.json (docs/sandbox.md)",
     )
     g.add_argument(
         "--keep-workspaces",

@@ -43,11 +43,18 @@ def distributed_summary(
         "engine": parts[0]["engine"] if parts else None,
         "gate": merged_gate([p["gate"] for p in parts]),
         "sandbox": parts[0]["sandbox"] if parts else None,
+        "workspace_bound": merged_bound([p.get("workspace_bound") for p in parts]),
         "config": config,
         "host": {"python": platform.python_version(), "machine": platform.machine()},
         "workers": workers,
         "scaleout": figures,
     }
+
+
+def merged_bound(bounds: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The workers' workspace bounds: a worker's whose bound was not exact, if any."""
+    known = [b for b in bounds if b is not None]
+    return next((b for b in known if b["exact"] is False), known[0] if known else None)
 
 
 def worker_entry(h: Handle) -> dict[str, Any]:

@@ -14,6 +14,8 @@ Design, and what is and is not contained: docs/sandbox.md. The modules, each one
 - enforced.py: which limits are really in force here (for summary.json);
 - sandboxes.py: Sandbox, BwrapSandbox, UnsandboxedSandbox and make_sandbox;
 - uids.py: agent uids leased per run from a host-wide registry (lock file per uid block);
+- workspaces.py: each workspace on its own size-limited filesystem (tmpfs or ext4 image), the
+  exact size bound; unmounting what dead runners left;
 - reaper.py: the process beside each run that kills and removes what it leaves if killed.
 
 The names below are the public interface; everything else is internal to this package.
@@ -25,9 +27,11 @@ from .filesystem import move_tree, remove_tree
 from .limits import AGENT_UID_BASE, CommandSandbox, ExecResult, Limits, SandboxUnavailable
 from .sandboxes import MODES, BwrapSandbox, Sandbox, UnsandboxedSandbox, make_sandbox
 from .uids import UidLease, UidsExhausted, lease_uids, start_reaper
+from .workspaces import FS_KINDS, WorkspaceBound, make_workspace
 
 __all__ = [
     "AGENT_UID_BASE",
+    "FS_KINDS",
     "MODES",
     "BwrapSandbox",
     "CommandSandbox",
@@ -38,10 +42,12 @@ __all__ = [
     "UidLease",
     "UidsExhausted",
     "UnsandboxedSandbox",
+    "WorkspaceBound",
     "lease_uids",
     "limits_in_force",
     "limits_line",
     "make_sandbox",
+    "make_workspace",
     "move_tree",
     "probe_bwrap",
     "remove_tree",

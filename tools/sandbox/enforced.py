@@ -18,9 +18,11 @@ BWRAP_FILESYSTEM = (
 )
 
 
-def limits_in_force(sandbox: CommandSandbox, limits: Limits) -> dict[str, Any]:
-    """What bounds the agents' commands here. A sandbox that runs no commands (the
-    simulator's) only has its mode."""
+def limits_in_force(
+    sandbox: CommandSandbox, limits: Limits, workspace_fs: str = "watch"
+) -> dict[str, Any]:
+    """What bounds the agents' commands here, the workspaces made on `workspace_fs`
+    (workspaces.py). A sandbox that runs no commands (the simulator's) only has its mode."""
     if not isinstance(sandbox, Sandbox):
         return {"sandbox": sandbox.mode}
     cg = in_force()
@@ -39,7 +41,7 @@ def limits_in_force(sandbox: CommandSandbox, limits: Limits) -> dict[str, Any]:
         "network": "none (own network namespace: loopback only)" if bwrap else "host",
         "memory": _memory(cg, limits),
         "processes": _processes(sandbox, cg, limits),
-        "workspace": {"max_bytes": limits.workspace_bytes, "bound": "watched"},
+        "workspace": _workspace(limits, workspace_fs),
         "per_process": {
             "data_bytes": limits.data_bytes,
             "cpu_seconds": limits.cpu_s,
@@ -82,9 +84,19 @@ def _processes(sandbox: Sandbox, cg: CgroupState, limits: Limits) -> dict[str, A
     }
 
 
-def limits_line(sandbox: CommandSandbox, limits: Limits) -> str:
+def _workspace(limits: Limits, fs: str) -> dict[str, Any]:
+    """Exact where each workspace is its own filesystem, which needs root to mount."""
+    exact = fs != "watch" and os.geteuid() == 0
+    return {
+        "max_bytes": limits.workspace_bytes,
+        "bound": "exact" if exact else "watched",
+        "fs": fs if exact else "watch",
+    }
+
+
+def limits_line(sandbox: CommandSandbox, limits: Limits, workspace_fs: str = "watch") -> str:
     """The same in one log line."""
-    d = limits_in_force(sandbox, limits)
+    d = limits_in_force(sandbox, limits, workspace_fs)
     if "memory" not in d:
         return f"sandbox {d['sandbox']}"
     mem, procs = d["memory"], d["processes"]
@@ -93,5 +105,6 @@ def limits_line(sandbox: CommandSandbox, limits: Limits) -> str:
         f"memory {mem['max_bytes'] // 2**20} MiB per {mem['per']} ({mem['by'].split(':')[0]}); "
         "processes "
         f"{procs['max']} per {procs['per']} ({procs['by']}); workspace "
-        f"{limits.workspace_bytes // 2**20} MiB, {d['workspace']['bound']}"
+        f"{limits.workspace_bytes // 2**20} MiB, {d['workspace']['bound']} "
+        f"({d['workspace']['fs']})"
     )

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .limits import check_uid
+from .workspaces import release
 
 log = logging.getLogger("concur.sandbox")
 
@@ -146,11 +147,16 @@ def prepare_tree(workspace: Path, uid: int) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a workspace tree as root, safely: GNU rm never follows symlinks, stays on one
+    """Delete a workspace tree as root, safely: first unmount the workspace filesystems at or
+    under it (workspaces.py), then GNU rm, which never follows symlinks, stays on one
     filesystem and has no recursion limit (shutil.rmtree in 3.11 recurses: a deep tree made by
     an agent raises RecursionError). Missing paths are fine; failures are logged."""
     if not os.path.lexists(path):
         return
+    try:
+        release(path)
+    except OSError as e:
+        log.warning("could not unmount the workspace filesystem at %s: %s", path, e)
     r = subprocess.run(
         ["rm", "-rf", "--one-file-system", "--", str(path)],
         capture_output=True,
@@ -163,11 +169,12 @@ def remove_tree(path: Path) -> None:
 
 def move_tree(src: Path, dst: Path) -> None:
     """Move a workspace tree as root without letting it gain anything: a rename on the same
-    filesystem; across filesystems `cp -a` (owners stay the agent's uid, never root; hard
-    links, holes and symlinks kept as they are, never followed), then the source removed.
-    shutil.move would copy as root: setuid files would become root-owned, links expanded."""
+    filesystem; across filesystems (a workspace on its own filesystem included) `cp -a`
+    (owners stay the agent's uid, never root; hard links, holes and symlinks kept as they
+    are, never followed), then the source removed (unmounted). shutil.move would copy as
+    root: setuid files would become root-owned, links expanded."""
     remove_tree(dst)
-    if os.stat(src.parent).st_dev == os.stat(dst.parent).st_dev:
+    if os.stat(src, follow_symlinks=False).st_dev == os.stat(dst.parent).st_dev:
         os.rename(src, dst)
         return
     r = subprocess.run(

@@ -20,7 +20,8 @@ class Limits:
     nofile: int = 256  # RLIMIT_NOFILE
     output_bytes: int = 32 * 1024  # cap on captured output; the rest is drained and discarded
     tmp_bytes: int = 64 * 2**20  # size of the private tmpfs /tmp (and of /dev/shm)
-    # bound on total workspace size: checked while each command runs and after it
+    # bound on total workspace size: exact where the workspace is its own filesystem
+    # (workspaces.make_workspace), else checked while each command runs and after it
     workspace_bytes: int = 256 * 2**20
     # all of one agent's processes together, shared mappings and tmpfs pages included (a
     # memory cgroup per agent uid, where the host has a writable memory controller)
@@ -53,6 +54,11 @@ class ExecResult:
     seconds: float
     workspace_over_limit: bool = False  # workspace exceeded workspace_bytes after the command
     killed: str | None = None  # "timeout", or "workspace" (killed while over workspace_bytes)
+    # the workspace's own filesystem is (nearly) full: writes fail with ENOSPC at its limit
+    workspace_full: bool = False
+    # the sandbox's notes at the end of `output` (workspace size): output[:len(output) -
+    # len(notes)] is what the command itself wrote
+    notes: str = ""
 
 
 class SandboxUnavailable(RuntimeError):

@@ -400,15 +400,18 @@ async def sweep_uid(argv: list[str]) -> None:
 
 
 async def watch(
-    run: Run, workspace: Path, limits: Limits, start: float, baseline: int
+    run: Run, workspace: Path, limits: Limits, start: float, baseline: int, check_disk: bool
 ) -> tuple[bool, bool]:
-    """Wait for the command to end. -> (timed out, killed for the workspace size): the size is
-    checked periodically while it runs, so a command cannot fill the disk until its timeout
+    """Wait for the command to end. -> (timed out, killed for the workspace size). Where
+    `check_disk` (a workspace not on its own size-limited filesystem), the size is checked
+    periodically while it runs, so a command cannot fill the disk until its timeout
     (RLIMIT_FSIZE bounds one file only). Overshoot: what it writes in one check interval.
     Killed when over the limit AND bigger than `baseline` (the size the previous command
     left), so that a slow `rm` cleaning up an oversized workspace is not killed; and in any
     case past twice the limit."""
     deadline = start + limits.timeout_s
+    if not check_disk:
+        return not await run.wait_exit(max(0.0, deadline - time.monotonic())), False
     hard = 2 * limits.workspace_bytes
     interval = _WATCH_MIN_S
     while True:

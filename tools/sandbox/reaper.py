@@ -19,7 +19,10 @@ Stdlib only, and run as a script (`python reaper.py ...`): it must not import th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,6 +154,53 @@ def remove_cgroup(root: Path) -> None:
         root.rmdir()
 
 
+# Workspaces on their own filesystems (tools/sandbox/workspaces.py) are unmounted before the
+# folder is removed: rm --one-file-system would skip them, and the mounts would stay.
+_MNT_DETACH = 2  # umount2 flags (linux/fs.h)
+_UMOUNT_NOFOLLOW = 8
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mounts() -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, source) of every mount in this mount namespace."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, (fstype, source) = left.split(), right.split()[:2]
+            found.append((_unescape(fields[4]), _unescape(fstype), _unescape(source)))
+    return found
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes (\040 ...)
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def unmount(path: str) -> None:
+    """Unmount the filesystem mounted at `path` (never following a symlink); if it is busy
+    (a process still has a file open there), detach it: it goes once the last user does."""
+    target = os.fsencode(path)
+    if _libc.umount2(target, _UMOUNT_NOFOLLOW) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(target, _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
+        return
+    if err in (errno.EINVAL, errno.ENOENT):  # not (or no longer) a mount point
+        return
+    raise OSError(err, f"cannot unmount {path}: {os.strerror(err)}")
+
+
+def unmount_under(root: Path) -> int:
+    """Unmount every filesystem mounted at `root` or below it, deepest first; -> how many.
+    Only root can mount here (an agent's mounts live in its sandbox's own namespace)."""
+    top = os.path.realpath(root)  # as mountinfo names it
+    points = [mp for mp, _, _ in mounts() if mp == top or mp.startswith(top.rstrip("/") + "/")]
+    for mp in sorted(points, key=lambda p: -p.count("/")):
+        unmount(mp)
+    return len(points)
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
@@ -171,6 +221,10 @@ def clean_up(
         if n == 0:
             break
         time.sleep(0.05)
+    if workspaces is not None:  # the workspaces' own filesystems first (not root: none)
+        with contextlib.suppress(OSError):
+            unmount_under(workspaces)
+
     if workspaces is not None and workspaces.exists():
         remove_folder(workspaces)
     if cgroup is not None and cgroup.exists():

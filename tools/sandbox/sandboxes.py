@@ -38,6 +38,7 @@ from .filesystem import disk_usage, prepare_tree
 from .limits import ExecResult, Limits, SandboxUnavailable, check_uid
 from .processes import Run, inflight, normalize_rc, spawn, sweep_uid, watch
 from .reaper import AGENT_MARK, MARK, kill_marked, run_mark
+from .workspaces import WorkspaceBound, space, workspace_bound
 
 log = logging.getLogger("concur.sandbox")
 
@@ -110,6 +111,8 @@ class Sandbox:
             raise FileNotFoundError(
                 f"workspace {workspace} does not exist; call prepare_workspace() first"
             )
+        # On its own filesystem the workspace cannot outgrow its limit: no watch needed.
+        bound = workspace_bound(workspace)
         loop = asyncio.get_running_loop()
         info_r, info_w = os.pipe() if self._uses_info_fd else (None, None)
         argv, cwd, env = self._argv(command, workspace, uid, limits, info_w)
@@ -119,21 +122,31 @@ class Sandbox:
         self._runs.add(run)
         try:
             with inflight(uid):
-                timed_out, disk_kill = await self._supervise(run, workspace, limits, start, stdin)
+                timed_out, disk_kill = await self._supervise(
+                    run, workspace, limits, start, stdin, bound is None
+                )
         finally:
             self._runs.discard(run)
         seconds = time.monotonic() - start
+        if bound is not None:
+            return self._bounded_result(run, workspace, bound, limits, timed_out, seconds)
         return await self._result(run, workspace, limits, timed_out, disk_kill, seconds)
 
     async def _supervise(
-        self, run: Run, workspace: Path, limits: Limits, start: float, stdin: str | None
+        self,
+        run: Run,
+        workspace: Path,
+        limits: Limits,
+        start: float,
+        stdin: str | None,
+        check_disk: bool,
     ) -> tuple[bool, bool]:
-        """Feed stdin, wait for the end (or the timeout, or the workspace limit), tear down.
-        -> (timed out, killed for the workspace size)."""
+        """Feed stdin, wait for the end (or the timeout, or, where `check_disk`, the workspace
+        limit), tear down. -> (timed out, killed for the workspace size)."""
         try:
             await run.start_io(None if stdin is None else stdin.encode())
             baseline = self._ws_usage.get(workspace, 0)
-            timed_out, disk_kill = await watch(run, workspace, limits, start, baseline)
+            timed_out, disk_kill = await watch(run, workspace, limits, start, baseline, check_disk)
             if timed_out or disk_kill:
                 run.kill()
             await run.ensure_finish()
@@ -159,16 +172,45 @@ class Sandbox:
         used = await asyncio.to_thread(disk_usage, workspace, 2 * limits.workspace_bytes)
         self._ws_usage[workspace] = used
         over = used > limits.workspace_bytes or disk_kill
-        output += _workspace_note(used, limits, disk_kill, over)
+        notes = _workspace_note(used, limits, disk_kill, over)
         rc = run.proc.returncode
         return ExecResult(
             exit_code=None if timed_out or disk_kill or rc is None else normalize_rc(rc),
-            output=output,
+            output=output + notes,
             timed_out=timed_out,
             truncated=truncated,
             seconds=seconds,
             workspace_over_limit=over,
             killed="timeout" if timed_out else "workspace" if disk_kill else None,
+            notes=notes,
+        )
+
+    def _bounded_result(
+        self,
+        run: Run,
+        workspace: Path,
+        bound: WorkspaceBound,
+        limits: Limits,
+        timed_out: bool,
+        seconds: float,
+    ) -> ExecResult:
+        """The result of a command in a workspace on its own size-limited filesystem: its usage
+        read from that filesystem, and a note when it is full or a write ran out of space."""
+        output, truncated = run.output()
+        used, free = space(workspace, bound)
+        full = free < max(_FULL_SLACK, bound.limit // 100)
+        notes = _bound_note(output, used, free, bound, limits, full)
+        rc = run.proc.returncode
+        return ExecResult(
+            exit_code=None if timed_out or rc is None else normalize_rc(rc),
+            output=output + notes,
+            timed_out=timed_out,
+            truncated=truncated,
+            seconds=seconds,
+            workspace_over_limit=used > bound.limit,  # only root's setup could get it there
+            killed="timeout" if timed_out else None,
+            workspace_full=full,
+            notes=notes,
         )
 
     async def aclose(self) -> None:
@@ -193,6 +235,28 @@ def _workspace_note(used: int, limits: Limits, disk_kill: bool, over: bool) -> s
         return (
             f"\n[workspace over its size limit: more than {_human(used)} used, limit "
             f"{_human(limits.workspace_bytes)}; delete files to get back under it]"
+        )
+    return ""
+
+
+_FULL_SLACK = 64 * 1024  # a workspace with less free space than this (or 1%) is full
+_ENOSPC = "No space left on device"  # strerror(ENOSPC), what tools print on it
+
+
+def _bound_note(
+    output: str, used: int, free: int, bound: WorkspaceBound, limits: Limits, full: bool
+) -> str:
+    if full:
+        return (
+            f"\n[workspace full: {_human(used)} used of its {_human(bound.limit)} limit (its own "
+            f"{bound.fs} filesystem); writes there fail with '{_ENOSPC}' until files are "
+            "deleted]"
+        )
+    if _ENOSPC in output:  # a write bigger than what is left, or /tmp full
+        return (
+            f"\n[a write ran out of space: the workspace is limited to {_human(bound.limit)} "
+            f"({_human(used)} used, {_human(free)} free), /tmp and /dev/shm to "
+            f"{_human(limits.tmp_bytes)} each]"
         )
     return ""
 

@@ -54,7 +54,7 @@ async def gate_costs(n: int) -> dict[str, float]:
 
     # control updates: AIMD over the full population, window moving every period
     usage = [0.1, 0.3, 0.7, 0.7]  # grow, hold, cut (with low H), cut
-    ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0, None)
+    ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0)
     periods = 200
     t = time.perf_counter()
     for _ in range(periods):
@@ -63,7 +63,7 @@ async def gate_costs(n: int) -> dict[str, float]:
     control_us = (time.perf_counter() - t) / periods * 1e6
 
     # the same with wset, which reads every agent's context each period (O(n log n))
-    ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0, None)
+    ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0)
     t = time.perf_counter()
     for _ in range(periods):
         ws.record(1000, 100)

@@ -13,14 +13,22 @@
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
 - summary.json, written to a temp file and renamed.
 
+- control.jsonl: one line per control period (not fsync'd: a lost last period loses no work).
+
 A write that fails (disk full, I/O error) raises RunFolderWriteError naming the file and the
 free space, after cutting the file back to where it was (appends) or removing the temp file
 (replacements): what was reported written stays, nothing half-written is left. The batch
 stops on it (runner/session.py).
+
+During a batch every append runs on one writer thread of the store (`off_loop`), never on
+the event loop: an fsync waits for the disk (milliseconds, far more on a busy or network
+disk) and would stall every agent and the gate meanwhile (bench/loop_lag.py). One thread
+keeps the appends in the order asked and one at a time, which the cut-back on failure needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -28,9 +36,12 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 FORMAT_VERSION = 2  # runner/records.py: FORMAT
 log = logging.getLogger("concur")
@@ -71,10 +82,11 @@ def _append(path: Path, record: dict[str, Any]) -> None:
     _append_many(path, [record])
 
 
-def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
+def _append_many(path: Path, records: list[dict[str, Any]], sync: bool = True) -> None:
     """Append lines, each with one write(), then one fsync for all of them (a driver writing
-    a worker's report: one sync per report, not per line). On failure the file is cut back
-    to where it was: the lines are either all there (and synced) or none is."""
+    a worker's report: one sync per report, not per line; none when not `sync`). On failure
+    the file is cut back to where it was: the lines are either all there (and synced) or
+    none is. Blocks: on the event loop, go through RunStore.off_loop."""
     if not records:
         return
     try:
@@ -91,7 +103,8 @@ def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
                 written = os.write(fd, line)  # one write per line: O_APPEND keeps it whole
                 while written < len(line):  # a short write (disk nearly full): finish it
                     written += os.write(fd, line[written:])
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)  # no torn line left behind
@@ -186,6 +199,8 @@ class RunStore:
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
         self.rollouts = root / "rollouts.jsonl"
+        # the writer thread of `off_loop` (started on the first write)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-folder")
         self.repaired_bytes = (
             _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
         )
@@ -337,11 +352,6 @@ class RunStore:
             write_json_atomic(meta, known)
         return known
 
-    def add_record(self, name: str, record: dict[str, Any]) -> None:
-        """One line of another record file of this folder (rollouts.jsonl), written before
-        its agent's trajectory line."""
-        self.append_records(name, [record])
-
     def add_trajectory(self, record: dict[str, Any]) -> None:
         record = {"format": FORMAT_VERSION, **record}
         _append(self.trajectories, record)
@@ -371,10 +381,34 @@ class RunStore:
         self.add_error(record)
         return True
 
-    def add_control(self, line: dict[str, Any]) -> None:
-        """One control period's line (not fsync'd: a lost last period loses no work)."""
-        with self.control.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+    async def off_loop(self, write: Callable[..., T], *args: Any) -> T:
+        """Run `write(*args)` (blocking run-folder writes) on the store's writer thread,
+        after the writes asked before it. Cancelled meanwhile, it still waits for the write
+        to end before the cancellation goes on: a thread cannot be stopped mid-write, and a
+        line on disk must be known (`finished`) before the batch stops and sums up."""
+        job = asyncio.get_running_loop().run_in_executor(self._writer, write, *args)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])
+            raise
+
+    async def finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
+        """A finished agent: its lines of other record files (`extra`: file name -> record,
+        e.g. its rollout), then its trajectory line, which marks it done."""
+        await self.off_loop(self._finish, record, extra)
+
+    def _finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
+        for name, rec in extra.items():
+            self.append_records(name, [rec])
+        self.add_trajectory(record)
+
+    async def log_error(self, record: dict[str, Any]) -> None:
+        await self.off_loop(self.add_error, record)
+
+    async def log_control(self, line: dict[str, Any]) -> None:
+        """One control period's line."""
+        await self.off_loop(_append_many, self.control, [line], False)
 
     def add_trajectories(self, records: list[dict[str, Any]]) -> None:
         """Several finished agents, synced once; each counts as finished only after."""

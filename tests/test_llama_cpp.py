@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -55,13 +56,11 @@ def test_the_bindings_the_engine_calls_exist():
     assert isinstance(llama_cpp.Llama.ctx, property)
 
 
-@pytest.fixture(scope="module")
-def eng():
-    import asyncio
-
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def eng():
     e = LlamaCppEngine(n_ctx=1024, n_threads=2, cache_bytes=64 << 20)
     yield e
-    asyncio.run(e.aclose())
+    await e.aclose()
 
 
 def _gen(eng: LlamaCppEngine, ids: list[int], sp: SamplingParams):

@@ -20,10 +20,12 @@ free space, after cutting the file back to where it was (appends) or removing th
 (replacements): what was reported written stays, nothing half-written is left. The batch
 stops on it (runner/session.py).
 
-During a batch every append runs on one writer thread of the store (`off_loop`), never on
-the event loop: an fsync waits for the disk (milliseconds, far more on a busy or network
-disk) and would stall every agent and the gate meanwhile (bench/loop_lag.py). One thread
-keeps the appends in the order asked and one at a time, which the cut-back on failure needs.
+During a batch every append runs on one writer thread of the store (`finish`, `log_error`,
+`log_control`, `off_loop`), never on the event loop: an fsync waits for the disk
+(milliseconds, far more on a busy or network disk) and would stall every agent and the gate
+meanwhile (bench/loop_lag.py, docs/outputs.md). One thread keeps the appends in order and
+one at a time, which the cut-back on failure needs; lines asked for while it writes go
+together next (group commit: still one write per line, one fsync per file per group).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -174,6 +177,51 @@ def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False, default=str) + "\n"
 
 
+async def _whole(job: asyncio.Future[T]) -> T:
+    """Await a write on the writer thread. Cancelled meanwhile, still wait for it to end
+    before the cancellation goes on: a thread cannot be stopped mid-write, and a line on
+    disk must be known (`finished`) before the batch stops and sums up."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
+
+
+@dataclass
+class _Commit:
+    lines: list[tuple[Path, dict[str, Any]]]  # in the order they must reach the disk
+    finished: dict[str, Any] | None  # the trajectory among them: an agent done once synced
+    done: asyncio.Future[None]
+
+
+def _write_group(group: list[_Commit]) -> list[Exception | None]:
+    """(On the writer thread.) The lines of several commits, file by file in the order the
+    files come in the commits (a rollout line before its trajectory line), each file's
+    lines written one by one and synced once (control.jsonl: not synced). A commit whose
+    line failed gets the error, and its later lines are not written. -> per commit: None
+    or its error."""
+    order: dict[Path, list[int]] = {}
+    for i, c in enumerate(group):
+        for path, _ in c.lines:
+            order.setdefault(path, []).append(i)
+    failed: list[Exception | None] = [None] * len(group)
+    for path in sorted(order, key=lambda p: _RANK.get(p.name, 1)):
+        who = [i for i in dict.fromkeys(order[path]) if failed[i] is None]
+        lines = [rec for i in who for p, rec in group[i].lines if p == path]
+        try:
+            _append_many(path, lines, sync=path.name != "control.jsonl")
+        except RunFolderWriteError as e:
+            for i in who:
+                failed[i] = e
+    return failed
+
+
+# the order of files in a group commit: what must be on disk before the trajectory line that
+# marks an agent done (its error, its other record files) comes first
+_RANK = {"errors.jsonl": 0, "trajectories.jsonl": 2, "control.jsonl": 3}
+
+
 class RunFolderBusy(RuntimeError):
     """Another process is writing this run folder."""
 
@@ -199,8 +247,11 @@ class RunStore:
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
         self.rollouts = root / "rollouts.jsonl"
-        # the writer thread of `off_loop` (started on the first write)
+        # the one thread that writes during a batch (started on the first write), the lines
+        # waiting for it, whether it is writing a group of them (see _commit)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-folder")
+        self._waiting: list[_Commit] = []
+        self._committing = False
         self.repaired_bytes = (
             _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
         )
@@ -382,33 +433,64 @@ class RunStore:
         return True
 
     async def off_loop(self, write: Callable[..., T], *args: Any) -> T:
-        """Run `write(*args)` (blocking run-folder writes) on the store's writer thread,
-        after the writes asked before it. Cancelled meanwhile, it still waits for the write
-        to end before the cancellation goes on: a thread cannot be stopped mid-write, and a
-        line on disk must be known (`finished`) before the batch stops and sums up."""
-        job = asyncio.get_running_loop().run_in_executor(self._writer, write, *args)
-        try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            await asyncio.wait([job])
-            raise
+        """Run `write(*args)` (blocking run-folder writes) on the store's writer thread, in
+        turn with the other writes."""
+        return await _whole(asyncio.get_running_loop().run_in_executor(self._writer, write, *args))
 
     async def finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
         """A finished agent: its lines of other record files (`extra`: file name -> record,
         e.g. its rollout), then its trajectory line, which marks it done."""
-        await self.off_loop(self._finish, record, extra)
-
-    def _finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
-        for name, rec in extra.items():
-            self.append_records(name, [rec])
-        self.add_trajectory(record)
+        record = {"format": FORMAT_VERSION, **record}
+        for name in extra:
+            self._record_file(name)
+        lines = [(self.root / name, rec) for name, rec in extra.items()]
+        await self._commit([*lines, (self.trajectories, record)], finished=record)
 
     async def log_error(self, record: dict[str, Any]) -> None:
-        await self.off_loop(self.add_error, record)
+        await self._commit([(self.errors, {"time": time.time(), **record})])
 
     async def log_control(self, line: dict[str, Any]) -> None:
-        """One control period's line."""
-        await self.off_loop(_append_many, self.control, [line], False)
+        """One control period's line (not fsync'd: a lost last period loses no work)."""
+        await self._commit([(self.control, line)])
+
+    async def _commit(
+        self, lines: list[tuple[Path, dict[str, Any]]], finished: dict[str, Any] | None = None
+    ) -> None:
+        """Append `lines` (in this order), on the writer thread. Lines asked for while the
+        thread writes go together once it is free (group commit): one write per line, one
+        fsync per file for the whole group, and each caller returns once its lines are
+        synced (or with the group's RunFolderWriteError: none of them counts as written)."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Commit(lines, finished, done))
+        if not self._committing:
+            self._next_group()
+        await _whole(done)
+
+    def _next_group(self) -> None:
+        group, self._waiting = self._waiting, []
+        self._committing = True
+        job = asyncio.get_running_loop().run_in_executor(self._writer, _write_group, group)
+        job.add_done_callback(lambda job: self._group_done(group, job))
+
+    def _group_done(
+        self, group: list[_Commit], job: asyncio.Future[list[Exception | None]]
+    ) -> None:
+        self._committing = False
+        try:
+            failures = job.result()
+        except BaseException as e:  # not a write error: the thread failed (a bug), all fail
+            failures = [e if isinstance(e, Exception) else RuntimeError(str(e))] * len(group)
+        for c, err in zip(group, failures, strict=True):
+            if err is None and c.finished is not None:
+                self.finished[c.finished["task_id"]] = c.finished
+            if c.done.done():
+                continue
+            if err is None:
+                c.done.set_result(None)
+            else:
+                c.done.set_exception(err)
+        if self._waiting:
+            self._next_group()
 
     def add_trajectories(self, records: list[dict[str, Any]]) -> None:
         """Several finished agents, synced once; each counts as finished only after."""
@@ -420,9 +502,12 @@ class RunStore:
     def append_records(self, name: str, records: list[dict[str, Any]]) -> None:
         """Lines of another record file of this folder (`name`: a plain *.jsonl file name),
         each written whole, synced once."""
+        _append_many(self._record_file(name), records)
+
+    def _record_file(self, name: str) -> Path:
         if "/" in name or not name.endswith(".jsonl") or name.startswith("."):
             raise ValueError(f"not a record file name of a run folder: {name!r}")
-        _append_many(self.root / name, records)
+        return self.root / name
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

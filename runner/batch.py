@@ -202,12 +202,7 @@ class Batch:
         self._started: dict[str, float] = {}
         self._ended: dict[str, tuple[str, float]] = {}
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
-        if config.workspace_root is None:
-            self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
-        else:
-            self._ws_root = config.workspace_root
-            remove_tree(self._ws_root)  # left by a killed run
-            self._ws_root.mkdir(parents=True)
+        self._ws_root: Path  # made in run, once the reaper watches it
 
     def _ranked(
         self, engine: DataParallel, policy: Policy, store: RecordSink
@@ -241,14 +236,19 @@ class Batch:
     async def run(self) -> Totals:
         for t in self.todo:
             self.gate.register(t.id)
-        self._ws_root.chmod(0o755)
         # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py);
         # a worker of a scaled-out run has its range from its run instead (uid_base); a
         # sandbox that starts no process as a uid (the simulator's) needs none
         if self.config.uid_base == AGENT_UID_BASE and isinstance(self.sandbox, Sandbox):
             self._uids = lease_uids(len(self.todo))
-        reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
+        self._ws_root = self.config.workspace_root or Path(tempfile.mkdtemp(prefix="concur-ws-"))
+        # cleans up if we are killed; the workspaces' folder only after it has started, so
+        # that a kill at any moment leaves none
+        reaper = start_reaper(self._uids, self._ws_root)
         try:
+            remove_tree(self._ws_root)  # left by a killed run
+            self._ws_root.mkdir(parents=True)
+            self._ws_root.chmod(0o755)
             await self._run_all()
         except* (EngineDead, RunFolderWriteError) as group:
             raise _first_leaf(group) from None  # stops the batch; the rest runs on resume

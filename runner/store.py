@@ -11,9 +11,8 @@
   (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
   renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
-- summary.json, written to a temp file and renamed.
-
 - control.jsonl: one line per control period (not fsync'd: a lost last period loses no work).
+- summary.json, written to a temp file and renamed.
 
 A write that fails (disk full, I/O error) raises RunFolderWriteError naming the file and the
 free space, after cutting the file back to where it was (appends) or removing the temp file
@@ -90,7 +89,18 @@ def _append_many(path: Path, records: list[dict[str, Any]], sync: bool = True) -
     a worker's report: one sync per report, not per line; none when not `sync`). On failure
     the file is cut back to where it was: the lines are either all there (and synced) or
     none is. Blocks: on the event loop, go through RunStore.off_loop."""
-    if not records:
+    _append_lines(path, [_line(r) for r in records], sync)
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
+    # reads back unchanged, instead of an error losing the record
+    return _dumps(record).encode("utf-8", "backslashreplace")
+
+
+def _append_lines(path: Path, lines: list[bytes], sync: bool) -> None:
+    """_append_many of lines already encoded."""
+    if not lines:
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -99,10 +109,7 @@ def _append_many(path: Path, records: list[dict[str, Any]], sync: bool = True) -
     try:
         size = os.fstat(fd).st_size  # one writer per run folder (the lock): stays valid
         try:
-            for record in records:
-                # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON
-                # escape that reads back unchanged, instead of an error losing the record
-                line = _dumps(record).encode("utf-8", "backslashreplace")
+            for line in lines:
                 written = os.write(fd, line)  # one write per line: O_APPEND keeps it whole
                 while written < len(line):  # a short write (disk nearly full): finish it
                     written += os.write(fd, line[written:])
@@ -199,20 +206,24 @@ def _write_group(group: list[_Commit]) -> list[Exception | None]:
     """(On the writer thread.) The lines of several commits, file by file in the order the
     files come in the commits (a rollout line before its trajectory line), each file's
     lines written one by one and synced once (control.jsonl: not synced). A commit whose
-    line failed gets the error, and its later lines are not written. -> per commit: None
-    or its error."""
-    order: dict[Path, list[int]] = {}
-    for i, c in enumerate(group):
-        for path, _ in c.lines:
-            order.setdefault(path, []).append(i)
+    line failed gets the error, and its later lines are not written; one that cannot be
+    encoded fails alone. -> per commit: None or its error."""
     failed: list[Exception | None] = [None] * len(group)
-    for path in sorted(order, key=lambda p: _RANK.get(p.name, 1)):
-        who = [i for i in dict.fromkeys(order[path]) if failed[i] is None]
-        lines = [rec for i in who for p, rec in group[i].lines if p == path]
+    encoded: dict[Path, list[tuple[int, bytes]]] = {}
+    for i, c in enumerate(group):
         try:
-            _append_many(path, lines, sync=path.name != "control.jsonl")
+            lines = [(path, _line(rec)) for path, rec in c.lines]
+        except Exception as e:  # a record json cannot hold: that agent's, not the group's
+            failed[i] = e
+            continue
+        for path, line in lines:
+            encoded.setdefault(path, []).append((i, line))
+    for path in sorted(encoded, key=lambda p: _RANK.get(p.name, 1)):
+        todo = [(i, line) for i, line in encoded[path] if failed[i] is None]
+        try:
+            _append_lines(path, [line for _, line in todo], sync=path.name != "control.jsonl")
         except RunFolderWriteError as e:
-            for i in who:
+            for i, _ in todo:
                 failed[i] = e
     return failed
 
@@ -441,9 +452,7 @@ class RunStore:
         """A finished agent: its lines of other record files (`extra`: file name -> record,
         e.g. its rollout), then its trajectory line, which marks it done."""
         record = {"format": FORMAT_VERSION, **record}
-        for name in extra:
-            self._record_file(name)
-        lines = [(self.root / name, rec) for name, rec in extra.items()]
+        lines = [(self._record_file(name), rec) for name, rec in extra.items()]
         await self._commit([*lines, (self.trajectories, record)], finished=record)
 
     async def log_error(self, record: dict[str, Any]) -> None:

@@ -57,13 +57,13 @@ async def test_agents_finishing_together_share_fsyncs_and_keep_their_order(tmp_p
     s = RunStore(tmp_path / "run")
     syncs, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd))[1])
-    appends, real_append = [], store._append_many  # (file, task ids) in the order written
+    appends, real_append = [], store._append_lines  # (file, task ids) in the order written
 
-    def append(path, records, sync=True):
-        real_append(path, records, sync)
-        appends.append((path.name, {r["task_id"] for r in records}))
+    def append(path, lines, sync):
+        real_append(path, lines, sync)
+        appends.append((path.name, {json.loads(line)["task_id"] for line in lines}))
 
-    monkeypatch.setattr(store, "_append_many", append)
+    monkeypatch.setattr(store, "_append_lines", append)
     await s.log_control({"t": 0, "task_id": None})
 
     async def agent(i: int) -> None:

@@ -204,6 +204,7 @@ def main() -> None:
         "fsyncs_per_agent": 2,
         "probe_period_ms": PROBE_S * 1000,
         "cpus": os.cpu_count(),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),  # other work on the machine
         "python": sys.version.split()[0],
         "ways": rows,
     }

@@ -449,7 +449,7 @@ class Batch:
     def _sampling(self, task: Task) -> SamplingParams:
         """The run's sampling with the task's overrides, the seed of this sample, and
         logprobs where rollouts are written and the engine gives them."""
-        sp = _sampling_for(self.config.sampling, task)
+        sp = sampling_for(self.config.sampling, task)
         logprobs = (
             self.config.rollouts
             and isinstance(self.engine, TokenLogprobs)
@@ -600,7 +600,7 @@ class Batch:
         t.by_status[rec["status"]] = t.by_status.get(rec["status"], 0) + 1
 
 
-def _sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
+def sampling_for(base: SamplingParams, task: Task) -> SamplingParams:
     """The run's sampling parameters with the task's own `sampling` overrides."""
     if not task.sampling:
         return base

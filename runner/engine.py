@@ -5,8 +5,8 @@ An engine takes token ids and returns token ids (token in, token out), reports p
 cache use, and on demand the occupancy of its KV pool. The agent loop, the gate and the
 store only ever see these types; engines never import the rest of the runner.
 
-Capabilities (`DataParallel`, `ConstrainedDecoding`, `TokenLogprobs`, `EngineStats`) are
-protocols too: the
+Capabilities (`DataParallel`, `ConstrainedDecoding`, `TokenLogprobs`, `SamplingCheck`,
+`EngineStats`) are protocols too: the
 runner asks `isinstance(engine, DataParallel)`, never `getattr`, never an engine's name or
 concrete class. An engine gains a capability by implementing its members.
 """
@@ -180,6 +180,18 @@ class TokenLogprobs(Protocol):
     @property
     def gives_logprobs(self) -> bool:
         """False where this instance cannot (e.g. a build without the option)."""
+        ...
+
+
+@runtime_checkable
+class SamplingCheck(Protocol):
+    """The engine checks sampling parameters against what it accepts, once, before any
+    request: the runner calls it at start-up with the run's sampling and each task's
+    overrides, so a bad option is one error naming it, not a failure of every request."""
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Raise ValueError naming the option the engine would refuse in a request with
+        `sampling` (the engine's own extra options included)."""
         ...
 
 

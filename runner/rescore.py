@@ -1,9 +1,10 @@
 """`run.py --eval-only`: score an existing run folder again, without running any agent.
 
 It needs the final workspaces, i.e. a run made with --keep-workspaces (<run>/workspaces/).
-Each finished task's `eval` runs in a fresh sandbox over its kept workspace; the `eval`
-field of its trajectory line is replaced (the file is rewritten to a new file, then renamed
-over the old one) and summary.json gets the new solved / evaluated counts.
+Each finished task's `eval`, then its `reward` command, runs in a fresh sandbox over its
+kept workspace; the `eval` and reward fields of its trajectory line are replaced (the file
+is rewritten to a new file, then renamed over the old one), the rollout's reward follows,
+and summary.json gets the new solved / evaluated counts.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.core import ToolContext
 from tools.sandbox import CommandSandbox, lease_uids, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
 from .records import eval_field, eval_reward
+from .rewards import reward_fields
 from .store import RunStore, write_json_atomic
 from .summary import record_totals
 from .tasks import Task
@@ -31,6 +35,15 @@ EVAL_CONCURRENCY = max(2, min(16, os.cpu_count() or 2))
 
 class RescoreError(RuntimeError):
     """The run folder cannot be re-scored; the message says why and what to do."""
+
+
+@dataclass
+class Rescored:
+    """One task scored again: its eval (None: it has none) and its reward fields (reward,
+    reward_source, reward_error, reward_output), as the batch writes them."""
+
+    eval: dict[str, Any] | None
+    reward: dict[str, Any]
 
 
 def rescore(
@@ -51,7 +64,7 @@ def rescore(
     todo = [
         by_id[tid]
         for tid, rec in store.finished.items()
-        if tid in by_id and by_id[tid].eval and "messages" in rec
+        if tid in by_id and (by_id[tid].eval or by_id[tid].reward) and "messages" in rec
     ]
     missing = [t.id for t in todo if not (ws_dir / t.id).is_dir()]
     for tid in missing:
@@ -66,7 +79,8 @@ def rescore(
         "time": time.time(),
         "seconds": round(time.monotonic() - t0, 3),
         "rescored": len(results),
-        "solved_now": sum(1 for e in results.values() if e and e.get("solved")),
+        "solved_now": sum(1 for r in results.values() if r.eval and r.eval.get("solved")),
+        "rewards_rerun": sum(1 for t in todo if t.reward),
         "missing_workspaces": missing,
         "tasks_without_eval": sum(1 for tid in store.finished if tid in by_id)
         - len(todo)
@@ -90,7 +104,7 @@ def rescore(
 
 async def _run_all(
     tasks: list[Task], ws_dir: Path, sandbox: CommandSandbox, config: BatchConfig
-) -> dict[str, dict[str, Any] | None]:
+) -> dict[str, Rescored]:
     sem = asyncio.Semaphore(EVAL_CONCURRENCY)
     # A kept workspace may sit where the sandbox uids cannot reach it (e.g. under /root): then
     # it is moved into a 0755 temp dir for its eval, and back.
@@ -98,19 +112,15 @@ async def _run_all(
     tmp_root.chmod(0o755)
     uids = lease_uids(len(tasks))  # the kernel frees them when this process ends
 
-    async def one(i: int, task: Task) -> tuple[str, dict[str, Any] | None]:
+    async def one(i: int, task: Task) -> tuple[str, Rescored]:
         async with sem:
             try:
                 return task.id, await _eval_one(task, ws_dir / task.id, uids.uid(i))
             except Exception as e:  # one bad workspace or command must not stop the others
                 log.warning("task %s: eval failed: %s: %s", task.id, type(e).__name__, e)
-                return task.id, {
-                    "command": task.eval,
-                    "solved": False,
-                    "error": f"{type(e).__name__}: {e}",
-                }
+                return task.id, _failed(task, f"{type(e).__name__}: {e}")
 
-    async def _eval_one(task: Task, ws: Path, uid: int) -> dict[str, Any] | None:
+    async def _eval_one(task: Task, ws: Path, uid: int) -> Rescored:
         try:
             sandbox.prepare_workspace(ws, uid)
         except PermissionError:
@@ -118,10 +128,17 @@ async def _run_all(
             move_tree(ws, moved)
             try:
                 sandbox.prepare_workspace(moved, uid)
-                return await evaluate(sandbox, task, moved, uid, config.limits, config.eval_timeout)
+                return await _score(task, moved, uid)
             finally:
                 move_tree(moved, ws)
-        return await evaluate(sandbox, task, ws, uid, config.limits, config.eval_timeout)
+        return await _score(task, ws, uid)
+
+    async def _score(task: Task, ws: Path, uid: int) -> Rescored:
+        """As the batch scores a finished agent: its eval, then its reward command."""
+        ev = await evaluate(sandbox, task, ws, uid, config.limits, config.eval_timeout)
+        ctx = ToolContext(ws, uid, sandbox, config.limits)
+        timeout = config.eval_timeout
+        return Rescored(ev, await reward_fields(sandbox, task, ctx, eval_field(ev), timeout))
 
     try:
         done = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
@@ -131,9 +148,22 @@ async def _run_all(
     return dict(done)
 
 
-def _rewrite(store: RunStore, results: dict[str, dict[str, Any] | None]) -> None:
-    """Replace the `eval` of the re-scored records, and the reward where it comes from the
-    eval (a reward command is not run again), in trajectories.jsonl and rollouts.jsonl."""
+def _failed(task: Task, error: str) -> Rescored:
+    """A task whose re-scoring could not run: its eval fails with the error, and so does its
+    reward command (an eval-derived reward follows the failed eval)."""
+    ev = {"command": task.eval, "solved": False, "error": error} if task.eval else None
+    out: dict[str, Any] = {"reward": None, "reward_error": None, "reward_output": None}
+    if task.reward:
+        out.update(reward_source="command", reward_error=f"reward command could not run: {error}")
+    else:
+        out["reward"] = eval_reward(eval_field(ev))
+        out["reward_source"] = None if out["reward"] is None else "eval"
+    return Rescored(ev, out)
+
+
+def _rewrite(store: RunStore, results: dict[str, Rescored]) -> None:
+    """Replace the `eval` and the reward fields of the re-scored records in
+    trajectories.jsonl, and the reward and `solved` in rollouts.jsonl."""
     if not results:
         return
     now = time.time()
@@ -142,11 +172,8 @@ def _rewrite(store: RunStore, results: dict[str, dict[str, Any] | None]) -> None
     def rescored(rec: dict[str, Any]) -> dict[str, Any]:
         if rec["task_id"] not in results:
             return rec
-        ev = eval_field(results[rec["task_id"]])
-        new = {**rec, "eval": ev, "rescored_at": now}
-        if rec.get("reward_source") != "command":
-            reward = eval_reward(ev)
-            new.update(reward=reward, reward_source=None if reward is None else "eval")
+        res = results[rec["task_id"]]
+        new = {**rec, "eval": eval_field(res.eval), **res.reward, "rescored_at": now}
         changed[rec["task_id"]] = new
         return new
 

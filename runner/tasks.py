@@ -7,7 +7,9 @@ run. SWE-bench-style records on a local repository: runner/swebench.py.
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,31 @@ KNOWN_FIELDS = {
 }
 # Fields that hold lists/objects; CSV (and some Parquet files) store them as JSON strings.
 SAMPLING_FIELDS = {"temperature", "top_p", "max_new_tokens", "stop", "seed"}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:  # 64.0 too: columnar formats may store integers as floats
+    return _finite(v) and float(v).is_integer()
+
+
+# A task's sampling overrides, checked at load as the run's options are at parse time
+SAMPLING_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "temperature": lambda v: _finite(v) and v >= 0,
+    "top_p": lambda v: _finite(v) and 0 < v <= 1,
+    "max_new_tokens": lambda v: _integer(v) and v >= 1,
+    "seed": lambda v: _integer(v) and v >= 0,
+    "stop": lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
+}
+SAMPLING_RULES = {
+    "temperature": "a number >= 0",
+    "top_p": "a number in (0, 1]",
+    "max_new_tokens": "an integer >= 1",
+    "seed": "an integer >= 0",
+    "stop": "a list of non-empty strings",
+}
 NESTED_FIELDS = {"messages", "files", "setup", "metadata", "tools", "replay", "sampling"}
 
 
@@ -230,8 +257,9 @@ MAX_ID_BYTES = 200
 
 
 def check_id(tid: str) -> None:
-    """ValueError unless `tid` can be a file name as it is: not too long, no path separators,
-    no control characters, no surrounding blanks, not "." or ".."."""
+    """ValueError unless `tid` can be a file name as it is (not too long, no path separators,
+    no control characters, no surrounding blanks, not "." or "..") and is no sample id
+    (no "#")."""
     size = len(tid.encode("utf-8", "surrogatepass"))
     if size > MAX_ID_BYTES:
         raise ValueError(f'"id" is {size} bytes long; at most {MAX_ID_BYTES} (ids name files)')
@@ -243,6 +271,12 @@ def check_id(tid: str) -> None:
         )
     if tid in (".", "..") or tid != tid.strip():
         raise ValueError(f'"id" {tid!r} must not be "." or ".." nor start or end with blanks')
+    if "#" in tid:  # `<task>#<k>` is sample k of a task (--samples): a dataset id with "#"
+        # would collide with one, and the report would count it as a sample of `<task>`
+        raise ValueError(
+            f'"id" {tid!r} contains "#", which is reserved for sample ids (<task>#<k> with '
+            "--samples): rename the task"
+        )
 
 
 def validate(rec: Any, base: Path | None = None) -> Task:
@@ -356,13 +390,8 @@ def validate(rec: Any, base: Path | None = None) -> Task:
     if bad:
         raise ValueError(f'"sampling" has unknown keys {bad}; known: {sorted(SAMPLING_FIELDS)}')
     for k, v in sampling.items():
-        ok = (
-            (isinstance(v, list) and all(isinstance(x, str) for x in v))
-            if k == "stop"
-            else (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0)
-        )
-        if not ok:
-            raise ValueError(f'"sampling.{k}" has a bad value {v!r}')
+        if not SAMPLING_CHECKS[k](v):
+            raise ValueError(f'"sampling.{k}" has a bad value {v!r}: {SAMPLING_RULES[k]}')
     return Task(
         tid,
         messages,

@@ -15,15 +15,20 @@ unchanged. What it reproduces, from SGLang's source (see docs/sglang.md for the 
   something hit; host > 0 only with enable_hierarchical_cache), dp_rank (dp_size > 1),
   e2e_latency; with return_logprob also input_token_logprobs (empty: logprobs start at the
   output) and output_token_logprobs, one (logprob, token id, None) per output token. The
-  matched stop token stays in output_ids. Sampling params take only SAMPLING_KEYS (SGLang's
-  SamplingParams(**params) raises TypeError on any other key). The context checks of
-  TokenizerManager._validate_one_request raise ValueError. A tiny radix cache gives
-  cached_tokens (match capped at len - 1).
+  matched stop token stays in output_ids. Sampling params go through
+  `tokenizer_manager.sampling_params_class` (FakeSamplingParams: only SAMPLING_KEYS, any other
+  key a TypeError as msgspec raises; normalize(); verify() with SGLang's range checks and
+  messages), as TokenizerManager._create_tokenized_object does. The context checks of
+  TokenizerManager._validate_one_request raise ValueError. Aborts (`Abort`): without a status
+  a result with finish_reason abort (an AbortReq); with 400 a ValueError, with 401-599 an
+  HTTPException (the double of fastapi's), as _handle_abort_finish_reason raises them. A tiny
+  radix cache gives cached_tokens (match capped at len - 1).
 
 tests/test_sglang_source.py checks every name the double accepts or returns against the
 released sglang wheel.
 - `tokenizer_manager`: `.tokenizer` (a tiny HF-like tokenizer, below), `.context_len`,
-  `.max_req_input_len`, `.model_config.hf_eos_token_id`, `.server_args`,
+  `.max_req_input_len`, `.model_config.hf_eos_token_id` / `.vocab_size`, `.server_args`,
+  `.sampling_params_class`,
   `.load_snapshot_reader.read_all()` (per-rank snapshot objects with token_usage etc.;
   absent with `legacy_loads=True`, as on older releases), `await .get_loads()`,
   `await .open_session(obj, None)`, `await .close_session(obj, None)`.
@@ -175,6 +180,61 @@ SAMPLING_KEYS = frozenset(
 )
 
 
+# SamplingParams.verify's range checks (srt/sampling/sampling_params.py), with the start of
+# each message as SGLang words it: field -> (accepts the value, message start).
+VERIFY_CHECKS: dict[str, tuple[Any, str]] = {
+    "temperature": (lambda v: v == v and v >= 0.0, "temperature must be a non-negative finite"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1], got"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "min_p must be in [0, 1], got"),
+    "top_k": (lambda v: v == -1 or v >= 1, "top_k must be -1 (disable) or at least 1, got"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "frequency_penalty must be in [-2, 2], got"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "presence_penalty must be in [-2, 2], got"),
+    "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "repetition_penalty must be in (0, 2]"),
+    "min_new_tokens": (lambda v: v >= 0, "min_new_tokens must be in [0, max_new_tokens], got"),
+    "max_new_tokens": (lambda v: v >= 0, "max_new_tokens must be at least 0, got"),
+}
+GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+MIN_NEW_ABOVE_MAX = "min_new_tokens must be in [0, max_new_tokens"
+
+
+class FakeSamplingParams:
+    """The double of SGLang's SamplingParams (a msgspec Struct): keyword fields only
+    (SAMPLING_KEYS; any other raises TypeError as msgspec does), `normalize(tokenizer)`,
+    `verify(vocab_size)` with SGLang's range checks and its one-grammar rule."""
+
+    __struct_fields__ = tuple(sorted(SAMPLING_KEYS))
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - SAMPLING_KEYS)
+        if unknown:  # msgspec's message for SamplingParams(**sp)
+            raise TypeError(f"Unexpected keyword argument {unknown[0]!r}")
+        self.values = kwargs
+        self.normalized = False
+
+    def normalize(self, tokenizer: Any) -> None:
+        self.normalized = True
+
+    def verify(self, vocab_size: int) -> None:
+        for key, (ok, message) in VERIFY_CHECKS.items():
+            value = self.values.get(key)
+            if value is not None and not ok(value):
+                raise ValueError(f"{message} {value}.")
+        low, high = self.values.get("min_new_tokens") or 0, self.values.get("max_new_tokens")
+        if high is not None and not low <= high:
+            raise ValueError(f"{MIN_NEW_ABOVE_MAX}({high})], got {low}.")
+        if sum(self.values.get(g) is not None for g in GRAMMARS) > 1:
+            raise ValueError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+
+
+class HTTPException(Exception):
+    """The double of fastapi.HTTPException (status_code, detail), which SGLang's tokenizer
+    manager raises for an abort with a 5xx status."""
+
+    def __init__(self, status_code: int, detail: Any = None) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code, self.detail = status_code, detail
+
+
 def fake_logprob(token_id: int) -> float:
     """The double's deterministic log-probability of an output token."""
     return -((token_id % 7) + 1) / 8
@@ -219,9 +279,13 @@ class CloseSessionReqInput:
 
 @dataclass
 class Abort:
-    """A scripted reply that SGLang aborts (as TokenizerManager._handle_abort_req builds it)."""
+    """A scripted reply that SGLang aborts. Without a status: an AbortReq, returned as a
+    result (TokenizerManager._handle_abort_req). With one, a scheduler's FINISH_ABORT,
+    raised by _handle_abort_finish_reason: 400 as ValueError, up to 599 as HTTPException."""
 
     message: str = "Abort in waiting queue"
+    status_code: int | None = None
+    returned: bool = False  # a status comes back in the result (0.5.9: other than 400/500/503)
 
 
 @dataclass
@@ -239,7 +303,12 @@ class FakeTokenizerManager:
         self.tokenizer = TinyTokenizer(cfg.get("tools_in_template", False))
         self.context_len = cfg.get("context_len", 4096)
         self.max_req_input_len = self.context_len - 1
-        self.model_config = SimpleNamespace(hf_eos_token_id={EOS_ID}, context_len=self.context_len)
+        self.model_config = SimpleNamespace(
+            hf_eos_token_id={EOS_ID},
+            context_len=self.context_len,
+            vocab_size=CHAR_OFFSET + 0x110000,
+        )
+        self.sampling_params_class = FakeSamplingParams
         self.served_model_name = sa.model_path
         self.events = engine.events
         self.snapshots = [FakeLoad(dp_rank=r) for r in range(sa.dp_size)]
@@ -333,18 +402,14 @@ class FakeSGLangEngine:
         self.calls.append(args)
         self.events.append(("generate", session_id))
         sp = dict(sampling_params or {})
-        unknown = sorted(set(sp) - SAMPLING_KEYS)
-        if unknown:  # msgspec's message for SamplingParams(**sp)
-            raise TypeError(f"Unexpected keyword argument {unknown[0]!r}")
-        # SamplingParams.verify: one decoding constraint per request
-        constraints = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if sp.get(k)]
-        if len(constraints) > 1:
-            raise ValueError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
+        tm = self.tokenizer_manager
+        params = tm.sampling_params_class(**sp)  # as _create_tokenized_object does
+        params.normalize(tm.tokenizer)
+        params.verify(tm.model_config.vocab_size)
         if sp.get("structural_tag"):  # xgrammar compiles the "format" form; others fail
             tag = json.loads(sp["structural_tag"])
             if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
                 raise ValueError(f"Hit invalid structural_tag: {sp['structural_tag']!r}")
-        tm = self.tokenizer_manager
         ids = list(input_ids or [])
         dp = self.server_args.dp_size
         ignored = dp <= 1 and routed_dp_rank == 0  # SGLang ignores rank 0 without DP
@@ -367,13 +432,19 @@ class FakeSGLangEngine:
         reply = self.replies.pop(0) if self.replies else Reply("ok")
         if isinstance(reply, BaseException):
             raise reply
+        if isinstance(reply, Abort) and reply.status_code is not None and not reply.returned:
+            if reply.status_code == 400:  # _handle_abort_finish_reason
+                raise ValueError(reply.message)
+            if 400 < reply.status_code < 600:
+                raise HTTPException(status_code=reply.status_code, detail=reply.message)
         if isinstance(reply, Abort):
             return {
                 "text": "",
                 "output_ids": [],
                 "meta_info": {
                     "id": rid,
-                    "finish_reason": {"type": "abort", "message": reply.message},
+                    "finish_reason": {"type": "abort", "message": reply.message}
+                    | ({"status_code": reply.status_code} if reply.returned else {}),
                     "e2e_latency": 0.01,
                     "completion_tokens": 0,
                 },

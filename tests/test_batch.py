@@ -63,7 +63,7 @@ async def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_p
 
 
 def test_per_task_sampling_overrides_the_run():
-    from runner.batch import _sampling_for
+    from runner.batch import sampling_for
     from runner.engine import SamplingParams
     from runner.tasks import validate
 
@@ -75,11 +75,20 @@ def test_per_task_sampling_overrides_the_run():
             "sampling": {"temperature": 0, "max_new_tokens": 64.0, "stop": ["END"]},
         }
     )
-    sp = _sampling_for(base, t)
+    sp = sampling_for(base, t)
     assert (sp.temperature, sp.max_new_tokens, sp.top_p) == (0, 64, base.top_p)
     assert sp.stop == ("</tool_call>", "END")  # the tool-call stop string is kept
-    assert _sampling_for(base, validate({"id": "b", "prompt": "x"})) is base
+    assert sampling_for(base, validate({"id": "b", "prompt": "x"})) is base
     with pytest.raises(ValueError, match="unknown keys"):
         validate({"id": "c", "prompt": "x", "sampling": {"temp": 1}})
-    with pytest.raises(ValueError, match="bad value"):
-        validate({"id": "c", "prompt": "x", "sampling": {"top_p": -1}})
+    for bad, rule in (
+        ({"top_p": -1}, r"in \(0, 1\]"),
+        ({"top_p": 0}, r"in \(0, 1\]"),  # SGLang's verify() would refuse every request
+        ({"temperature": float("nan")}, ">= 0"),
+        ({"max_new_tokens": 0}, "integer >= 1"),
+        ({"max_new_tokens": 2.5}, "integer >= 1"),
+        ({"seed": True}, "integer >= 0"),
+        ({"stop": [""]}, "non-empty strings"),
+    ):
+        with pytest.raises(ValueError, match=f"bad value .*: .*{rule}"):
+            validate({"id": "c", "prompt": "x", "sampling": bad})

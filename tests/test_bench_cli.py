@@ -35,3 +35,18 @@ def test_cli_reproduces_paper_bench_run(tmp_path, monkeypatch, name):
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert summary["batch_seconds"] == rec["sim_seconds"]
     assert summary["agents_by_status"] == {"submitted": 32}
+
+
+def test_bounds_report_flags_a_run_faster_than_its_bound():
+    # bench/bounds.py recomputes every row's bound without rerunning: a recorded run faster
+    # than its row's bound is named (and makes the script exit 1); the others are not
+    bounds = _bench("bounds")
+    recs = [
+        {"run": "qwen-tp8-wset", "config": "qwen-tp8", "system": "wset", "sim_seconds": 539.0},
+        {"run": "qwen-tp8-fast", "config": "qwen-tp8", "system": "aimd", "sim_seconds": 100.0},
+    ]
+    text, faster = bounds.report(recs)
+    assert faster == ["qwen-tp8-fast"]
+    b = bounds.lower_bound(bounds.synthetic("paper", seed=0), "qwen3-32b-tp8")["bound_seconds"]
+    assert f"| Qwen3-32B, 256 agents, TP8 | {b:,.0f} |" in text
+    assert f"| 539 | {539 / b:.2f} |" in text  # wset against it

@@ -158,3 +158,83 @@ def test_a_restored_state_generates_as_a_cold_context(eng):
     g = _gen(eng, longer, GREEDY)  # the saved state, then the new tokens
     assert g.cached_tokens == len(exact)
     assert g.output_ids == want
+
+
+# ---- failures and sampling options ------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_context_overflow_inside_llama_cpp_is_a_permanent_context_limit():
+    """What llama-cpp-python raises past n_ctx (llama_decode returns 1: no KV slot) is a
+    ContextLimitExceeded, failed at once; the engine serves the next request."""
+
+    from runner import retries
+    from runner.engine import ContextLimitExceeded
+
+    e = LlamaCppEngine(n_ctx=256, n_threads=2, cache_bytes=16 << 20)
+    try:
+        e.context_limit = 100_000  # past the adapter's own check: the library's own failure
+        calls = []
+        real = e.generate
+
+        async def counted(ids, sp, *, agent=None):
+            calls.append(1)
+            return await real(ids, sp, agent=agent)
+
+        e.generate = counted  # type: ignore[method-assign]
+        prompt = e.tokenizer.encode("word " * 300)
+        assert len(prompt) > 256
+        policy = retries.RetryPolicy(initial_wait=0.01)
+        with pytest.raises(ContextLimitExceeded, match="llama_decode returned 1") as err:
+            await retries.generate(e, prompt, GREEDY, "a", policy)
+        assert calls == [1] and not retries.is_transient(err.value)
+        e.context_limit = 256
+        assert _gen(e, _prompt(e, "Hi."), GREEDY).output_ids
+    finally:
+        await e.aclose()
+
+
+@pytest.fixture
+async def extras_engine():
+    e = LlamaCppEngine(n_ctx=256, n_threads=1, sampling_extra={"top_k": 5, "min_p": 0.1})
+    yield e
+    await e.aclose()
+
+
+@pytest.mark.slow
+def test_sampling_extras_are_checked_against_llama_generate(tmp_path, capsys, extras_engine):
+    # a synchronous test: run.py's main below owns its event loop, as in production
+    from runner.cli.main import main
+    from runner.engine import SamplingCheck
+
+    e = extras_engine
+    assert isinstance(e, SamplingCheck)
+    e.check_sampling(GREEDY)
+    sent, real = [], e._llm.generate
+
+    def recorded(*args, **kwargs):
+        sent.append(kwargs)
+        return real(*args, **kwargs)
+
+    e._llm.generate = recorded
+    _gen(e, _prompt(e, "Hi."), SamplingParams(temperature=0.7, max_new_tokens=2))
+    assert (sent[0]["top_k"], sent[0]["min_p"], sent[0]["temp"]) == (5, 0.1, 0.7)
+    e._llm.generate = real
+    for extra, message in (
+        ({"top_kk": 5}, r"--sampling-arg top_kk: .*\(did you mean top_k\?\)"),
+        ({"temp": 0.5}, "--sampling-arg temp: not a sampling parameter"),  # the engine's
+        ({"top_k": 2.5}, r"--sampling-arg top_k=2\.5: llama.cpp takes an int"),
+        ({"penalize_nl": 1}, "penalize_nl=1: llama.cpp takes a bool"),
+    ):
+        e._sampling_extra = extra
+        with pytest.raises(ValueError, match=message):
+            e.check_sampling(GREEDY)
+    # through the command line: one error before any agent, exit 2
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "a", "prompt": "p"}\n')
+    argv = ["--tasks", str(path), "--out", str(tmp_path / "out"), "--engine", "llama.cpp"]
+    argv += ["--n-ctx", "256", "--sandbox", "none", "--sampling-arg", "min-p=0.2x"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sampling options: --sampling-arg min_p='0.2x': llama.cpp takes a float" in err
+    assert not (tmp_path / "out" / "trajectories.jsonl").exists()

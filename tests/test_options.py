@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli.main import main
-from runner.tasks import MAX_ID_BYTES, load_tasks
+from runner.tasks import MAX_ID_BYTES, expand_samples, load_tasks
 
 from .conftest import read_jsonl, run_cli
 
@@ -93,6 +93,17 @@ def test_ids_that_cannot_be_file_names_are_rejected_at_load(tmp_path):
     assert [t.id for t in tasks] == ["é" * (MAX_ID_BYTES // 2), "ok-1"]
     assert [e.line for e in errors] == list(range(1, len(bad_ids) + 1))
     assert f"at most {MAX_ID_BYTES}" in errors[0].reason
+
+
+def test_an_id_with_a_hash_is_refused_at_load_it_would_pose_as_a_sample(tmp_path):
+    # `a#1` would be sample 1 of task `a` under --samples: same id, same report group
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"id": t, "prompt": "p"}) + "\n" for t in ["a", "a#1"]))
+    tasks, errors, _ = load_tasks(str(path))
+    assert [t.id for t in tasks] == ["a"]
+    assert [e.line for e in errors] == [2]
+    assert 'contains "#", which is reserved for sample ids' in errors[0].reason
+    assert [t.id for t in expand_samples(tasks, 2)] == ["a#0", "a#1"]
 
 
 def test_bytes_that_are_not_utf8_are_reported_with_their_line(tmp_path):

@@ -8,27 +8,49 @@ from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 
 
+def _mb(engine, held, items, capacity, chains=(), hidden=()):
+    return _memory_bound(engine, engine, lambda t: held, items, capacity, chains, hidden)
+
+
 def test_memory_bound_without_pressure_is_the_engine_bound():
     # 100 tokens held through a 5 s tool fit a 100-token pool in 5 s < 10 s of engine work
-    assert _memory_bound(10.0, 0.0, [(5.0, 100)], 100, 0.01) == 10.0
+    assert _mb(10.0, 0.0, [(5.0, 0.01, 100, -1)], 100) == 10.0
 
 
 def test_memory_bound_drops_part_of_a_context():
     # 1000 token-s on a 50-token pool = 20 s. Dropping x tokens costs 0.01 x s and saves
     # 10 x token-s: 1 + 0.01 x = (1000 - 10 x) / 50  ->  x = 19 / 0.21
-    got = _memory_bound(1.0, 0.0, [(10.0, 100)], 50, 0.01)
+    got = _mb(1.0, 0.0, [(10.0, 0.01, 100, -1)], 50)
     assert got == pytest.approx(1.0 + 0.01 * 19 / 0.21)
 
 
-def test_memory_bound_drops_the_longest_tools_first():
+def test_memory_bound_drops_the_cheapest_token_seconds_first():
     # 50 tokens through a 10 s tool go first (all of them: 0.5 s), then 100/3 x 1 s ones
-    got = _memory_bound(1.0, 0.0, [(1.0, 100), (10.0, 50)], 50, 0.01)
+    got = _mb(1.0, 0.0, [(1.0, 0.01, 100, -1), (10.0, 0.01, 50, -1)], 50)
     assert got == pytest.approx(1.5 + 0.01 * (2.0 - 1.5) / 0.03)
+    # the same tokens dearer to recompute in the long tool (attention at a long context):
+    # 0.25 s per token-s there against 0.01 in the short one, so the short one goes first
+    got = _mb(1.0, 0.0, [(1.0, 0.01, 100, -1), (10.0, 2.5, 50, -1)], 50)
+    # all 100 short ones (1 s, 100 token-s), then x long: 2 + 2.5 x = (500 - 10 x) / 50
+    assert got == pytest.approx(2.0 + 2.5 * 8.0 / 2.7)
 
 
 def test_memory_bound_counts_generation_residency():
     # nothing to drop: 400 token-s held while generating, on a 100-token pool
-    assert _memory_bound(1.0, 400.0, [], 100, 0.01) == 4.0
+    assert _mb(1.0, 400.0, [], 100) == pytest.approx(4.0)
+
+
+def test_an_agent_cannot_drop_more_than_its_own_chain_allows():
+    # the same drop as above, but its recompute lands on the agent's own chain: with a 1.5 s
+    # chain and 0.1 s hidden under its prefills' weight reads it may spend T - 1.4 s
+    free = _mb(1.0, 0.0, [(10.0, 0.01, 100, -1)], 50)
+    own = _mb(1.0, 0.0, [(10.0, 0.01, 100, 0)], 50, chains=[1.5], hidden=[0.1])
+    assert own > free
+    # at T the agent spends T - 1.4 s: (1000 - 10 (T - 1.4) / 0.01) / 50 = T
+    assert own == pytest.approx((1000 + 1400) / 1050, rel=1e-6)
+    # an agent with room to spare drops as freely as no chain at all
+    roomy = _mb(1.0, 0.0, [(10.0, 0.01, 100, 0)], 50, chains=[0.0], hidden=[10.0])
+    assert roomy == pytest.approx(free, rel=1e-6)
 
 
 PRESSURED = dict(final=(3000, 6000), gen=(30, 60))
@@ -100,3 +122,64 @@ def test_pool_limited_decode_binds_and_stays_below_simulated_runs(tmp_path, poli
     assert b["decode_seconds"] > roomy["decode_seconds"]
     r = simulate(w, "tiny-cpu", make_policy(policy), tmp_path / "r", engine_options=opts)
     assert r.sim_seconds >= b["bound_seconds"]
+
+
+# The validity check of every term: random small workloads (fixed seeds) on pools from roomy
+# to far too small, with slow tools, spikes and shared prompts, under every policy, on the
+# device alone and with a host tier; no run may finish before its bound.
+POLICIES = ["none", "aimd", "wset", "agent-cap:2", "request-cap:2"]
+
+
+def _random_case(seed: int) -> tuple[dict, dict, str]:
+    import random
+
+    rng = random.Random(seed)
+    if seed % 2:  # pressured: contexts that do not fit the pool together, long decodes
+        lo = rng.randint(1500, 4000)
+        shape = dict(
+            agents=rng.randint(4, 12),
+            steps=(2, rng.randint(3, 7)),
+            final=(lo, lo + rng.randint(0, 3000)),
+            gen=(rng.randint(10, 40), rng.randint(40, 120)),
+            tool_s=(rng.choice([0.01, 0.1]), rng.choice([0.2, 1.0, 4.0])),
+        )
+        pool = rng.choice([5_000, 7_000, 10_000])
+    else:
+        lo = rng.randint(150, 1500)
+        shape = dict(
+            agents=rng.randint(1, 12),
+            steps=(1, rng.randint(2, 8)),
+            final=(lo, lo + rng.randint(0, 3000)),
+            gen=(rng.randint(1, 10), rng.randint(10, 60)),
+            tool_s=(rng.choice([0.01, 0.05, 0.5]), rng.choice([0.5, 3.0, 20.0])),
+        )
+        pool = rng.choice([4_000, 8_000, 20_000, 100_000])
+    shape.update(start=rng.randint(16, 200), system=rng.choice([0, 16, 500, 2000]))
+    if rng.random() < 0.3:
+        shape["slow_tools"] = (0.3, 10.0, 40.0)
+    if rng.random() < 0.3:
+        shape["spikes"] = (0.2, 1000, 3000)
+        shape["max_context"] = 12_000
+    # the cost model of a real deployment (decode and prefill dear next to the tools) or
+    # of the fake one (tools dominate)
+    dep = rng.choice(["tiny-cpu", "qwen3-32b-tp2", "qwen3-32b-tp8", "deepseek-v3-tp16"])
+    return shape, {"max_total_tokens": pool}, dep
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bound_never_exceeds_any_policy_on_random_workloads(tmp_path, seed):
+    shape, opts, dep = _random_case(seed)
+    w = synthetic("tiny", seed=seed, **shape)
+    biggest = max(a.total_tokens() for a in w.agents) + w.system_tokens
+    if biggest + 300 > opts["max_total_tokens"]:  # one agent must fit, templates and all
+        opts["max_total_tokens"] = 2 * biggest + 1000
+    b = lower_bound(w, dep, **opts)
+    bh = lower_bound(w, dep, host_tier=True, **opts)
+    assert bh["bound_seconds"] <= b["bound_seconds"]
+    for policy in POLICIES:
+        for host in (False, True):
+            engine = {**opts, "hicache_ratio": 2.0} if host else opts
+            r = simulate(w, dep, make_policy(policy), tmp_path / "r", engine_options=engine)
+            assert r.by_status == {"submitted": len(w.agents)}  # all the work, done
+            bound = (bh if host else b)["bound_seconds"]
+            assert r.sim_seconds >= bound, (policy, host, r.sim_seconds, b, bh)

@@ -463,6 +463,43 @@ def test_a_real_replay_run_follows_the_schema_with_eval_and_rewards(tmp_path, ne
     assert summary["pass_at_k"] == {"pass@1": 0.5}
 
 
+def test_eval_only_runs_the_reward_command_again(tmp_path, needs_bwrap):
+    # the reward reads a file of the workspace: edited in the kept workspace, it changes
+    tasks = tmp_path / "t.jsonl"
+    recs = [
+        {
+            "id": "graded",
+            "prompt": "p",
+            "eval": "test -f score",
+            "reward": "cat score",
+            "replay": [call("bash", command="echo 0.25 > score"), call("submit", answer="x")],
+        },
+        {**TASKS[0], "eval": "test -f x"},  # eval-derived reward: follows the eval
+    ]
+    write_jsonl(tasks, recs)
+    out = tmp_path / "out"
+    run_cli("--tasks", str(tasks), "--out", str(out), "--keep-workspaces", *REPLAY)
+    first = by_id(out / "trajectories.jsonl")
+    assert first["graded"]["reward"] == 0.25 and first["calls"]["reward"] == 0.0
+    (out / "workspaces" / "graded" / "score").write_text("log\n0.875\n")
+    (out / "workspaces" / "calls" / "x").write_text("")
+    run_cli("--tasks", str(tasks), "--out", str(out), "--eval-only")
+    trajs, rolls = by_id(out / "trajectories.jsonl"), by_id(out / "rollouts.jsonl")
+    g = trajs["graded"]
+    assert (g["reward"], g["reward_source"], g["reward_error"]) == (0.875, "command", None)
+    assert g["reward_output"] == "log\n0.875\n" and g["rescored_at"] is not None
+    assert trajs["calls"]["reward"] == 1.0 and trajs["calls"]["reward_source"] == "eval"
+    assert rolls["graded"]["reward"] == 0.875 and rolls["calls"]["reward"] == 1.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_only"]["rewards_rerun"] == 1 and summary["eval_only"]["rescored"] == 2
+    # a reward command that now fails: an error on that record, the others unchanged
+    (out / "workspaces" / "graded" / "score").write_text("oops\n")
+    run_cli("--tasks", str(tasks), "--out", str(out), "--eval-only")
+    g = by_id(out / "trajectories.jsonl")["graded"]
+    assert g["reward"] is None and "not a float: 'oops'" in g["reward_error"]
+    assert by_id(out / "rollouts.jsonl")["graded"]["reward"] is None
+
+
 def test_samples_after_sigkill_each_sample_completes_once(tmp_path, needs_bwrap):
     tasks = tmp_path / "t.jsonl"
     slow = [call("bash", command="sleep 0.4")] * 3

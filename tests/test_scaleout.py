@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -100,6 +102,19 @@ def test_workers_without_ray_is_refused(tmp_path, capsys):
     tasks = _write_tasks(tmp_path / "t.jsonl", 1, sleeps=0)
     assert main(["--tasks", str(tasks), "--workers", "2", "--out", str(tmp_path / "o")]) == 2
     assert "--workers needs --ray" in capsys.readouterr().err
+
+
+def test_the_recorded_cluster_file_is_where_ray_keeps_it(monkeypatch, tmp_path):
+    from ray._common.utils import get_ray_address_file
+
+    from runner.scaleout.driver import recorded_address_file
+
+    for env in ({"RAY_TMPDIR": str(tmp_path)}, {"TMPDIR": str(tmp_path / "t")}, {}):
+        for key in ("RAY_TMPDIR", "TMPDIR"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        assert recorded_address_file() == Path(get_ray_address_file(None))
 
 
 # ---- a real multi-node cluster ------------------------------------------------------------
@@ -265,3 +280,80 @@ def test_sim_workers_each_log_their_own_control_timeline(cluster, tmp_path):
         assert any(x["admitted"] for x in mine)  # it ran agents of its own
     admitted = [a for x in lines for a in x["admitted"]]
     assert len(admitted) == len(set(admitted)) == summary["tasks"]
+
+
+def test_removing_a_whole_node_mid_batch_loses_and_duplicates_nothing(cluster, tmp_path):
+    """A fourth node joins; one worker runs on each; that node is removed (its raylet and
+    every process on it) while its worker has agents in flight."""
+    node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    removed = False
+    try:
+        cluster.wait_for_nodes()
+        tasks = _write_tasks(tmp_path / "tasks.jsonl", 40, sleeps=3, seconds=0.4)
+        out = tmp_path / "ray"
+        proc = subprocess.Popen(_replay(tasks, out, "--ray", cluster.address), env=_env())
+        try:
+            _wait_records(out, 4, proc)
+            log = (out / "run.log").read_text()
+            assert "4 workers over 4 nodes" in log
+            on_node = re.search(rf"worker (\d+): pid \d+ on \S+ \(node {node.node_id[:12]}\)", log)
+            k = int(on_node.group(1))
+            cluster.remove_node(node)
+            removed = True
+            assert proc.wait(timeout=180) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        if not removed:
+            cluster.remove_node(node)
+    ids = Counter(rec["task_id"] for rec in _records(out))
+    assert len(ids) == 40 and set(ids.values()) == {1}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agents_by_status"] == {"submitted": 40}
+    lost = summary["workers"][k]
+    assert lost["lost"] and lost["tasks_put_back"]
+    assert summary["scaleout"]["workers_lost"] == 1
+    by_worker = {rec["task_id"]: rec["worker"] for rec in _records(out)}
+    assert all(by_worker[t] != k for t in lost["tasks_put_back"])  # run on the other nodes
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in errors if e["kind"] == "worker_lost"] == [k]
+
+
+def test_ray_without_an_address_starts_a_local_cluster_on_loopback(tmp_path):
+    """`--ray` alone, no $RAY_ADDRESS, and the cluster file names a stopped cluster: a local
+    cluster on 127.0.0.1 runs the batch (the loopback setting not given: run.py sets it), and
+    is gone when the run ends."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        with socket.socket() as sock:  # a loopback port nobody listens on
+            sock.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{sock.getsockname()[1]}"
+        (ray_tmp / "ray").mkdir()
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(dead)
+        env = {k: v for k, v in os.environ.items() if k not in (*LOOPBACK, "RAY_ADDRESS")}
+        env["RAY_TMPDIR"] = str(ray_tmp)
+        tasks = _write_tasks(tmp_path / "tasks.jsonl", 4, sleeps=1, seconds=0.1)
+        out = tmp_path / "ray"
+        cmd = _replay(tasks, out, "--ray", "--workers", "2")
+        r = subprocess.run(cmd, env=env, timeout=180, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"names the Ray cluster {dead}, which does not answer" in r.stderr
+        assert "Ray: a local Ray cluster on 127.0.0.1" in r.stderr
+        assert "2 workers over 1 nodes at 127.0.0.1 " in r.stderr
+        ids = Counter(rec["task_id"] for rec in _records(out))
+        assert len(ids) == 4 and set(ids.values()) == {1}
+        figures = json.loads((out / "summary.json").read_text())["scaleout"]
+        assert figures["ray_address"] == "local"
+        deadline = time.monotonic() + 30  # the driver's ray.shutdown() stops what it started
+        while _ray_processes(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _ray_processes(ray_tmp) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _ray_processes(ray_tmp: Path) -> list[str]:
+    """Processes whose command line names this Ray temp dir (pgrep only looks)."""
+    p = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True)
+    return p.stdout.split()

@@ -24,9 +24,11 @@ from runner.engine import (
     DataParallel,
     Engine,
     EngineError,
+    SamplingCheck,
     SamplingParams,
     Tokenizer,
     TokenLogprobs,
+    TransientEngineError,
 )
 from runner.engines import sglang as sg
 from runner.engines.sglang import (
@@ -38,6 +40,7 @@ from runner.engines.sglang import (
 from runner.engines.sglang import args as sg_args
 from runner.engines.sglang import versions as sg_versions
 from runner.gate import Gate
+from runner.retries import is_transient
 from runner.tasks import Task
 from tests.sglang_double import (
     BOS_ID,
@@ -45,6 +48,7 @@ from tests.sglang_double import (
     EOT_ID,
     Abort,
     FakeLoad,
+    HTTPException,
     Reply,
     fake_logprob,
     install_fake_sglang,
@@ -277,6 +281,29 @@ async def test_a_sampling_key_sglang_rejects_fails_the_request(monkeypatch):
         await eng.generate([200], SP)
 
 
+def test_sampling_is_checked_once_through_sglangs_own_sampling_params(monkeypatch):
+    eng, fk = make(monkeypatch, sampling_extra={"top_k": 20, "min_p": 0.05})
+    assert isinstance(eng, SamplingCheck)
+    eng.check_sampling(SP)  # accepted: nothing sent
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
+        eng.check_sampling(SamplingParams(top_p=0.0))
+    assert fk.calls == []
+    eng, _ = make(monkeypatch, sampling_extra={"topk": 20})  # a typo of top_k
+    with pytest.raises(ValueError, match=r"--sampling-arg topk: .*\(did you mean top_k\?\)"):
+        eng.check_sampling(SP)
+    eng, _ = make(monkeypatch, sampling_extra={"top_k": 0})
+    with pytest.raises(ValueError, match=r"top_k=0.*top_k must be -1 \(disable\) or at least 1"):
+        eng.check_sampling(SP)
+    eng, _ = make(monkeypatch, sampling_extra={"stop_strs": ["x"]})  # SGLang's own field
+    with pytest.raises(ValueError, match="--sampling-arg stop_strs: not a sampling parameter"):
+        eng.check_sampling(SP)
+    # a second constraint only clashes where tool calls are constrained
+    eng, _ = make(monkeypatch, sampling_extra={"regex": "[a-z]+"})
+    eng.check_sampling(SP)
+    with pytest.raises(ValueError, match="--sampling-arg regex and constrained tool calls"):
+        eng.check_sampling(SamplingParams(tool_call_schema='{"type": "object"}'))
+
+
 CALL_SCHEMA = {
     "type": "object",
     "properties": {"name": {"const": "submit"}, "arguments": {"type": "object"}},
@@ -377,18 +404,90 @@ async def test_abort_is_an_engine_error(monkeypatch):
     assert eng.cache_stats().extra["aborted"] == 1
 
 
+OOM = "Out of memory even after retracting all other requests in the decode batch."
+RETRACTED = "Retracted under decode memory pressure without a KV backup. Retry later."
+TOO_LONG = "Input length (9000 tokens) exceeds the maximum allowed length (8192 tokens)."
+
+
+@pytest.mark.parametrize(
+    "reply,kind",
+    [
+        (Abort(), TransientEngineError),  # an AbortReq in the waiting queue: a result
+        (Abort("Aborted"), TransientEngineError),
+        (Abort(OOM, status_code=500), TransientEngineError),  # raised as HTTPException
+        (Abort(RETRACTED, status_code=503), TransientEngineError),
+        (Abort("request timed out (SLA)", status_code=503), TransientEngineError),
+        (ConnectionResetError("zmq socket reset"), TransientEngineError),
+        (TimeoutError("no answer"), TransientEngineError),
+        (Abort("invalid stop_regex '('", status_code=400), EngineError),  # raised ValueError
+        (Abort(TOO_LONG, status_code=400), ContextLimitExceeded),
+        (HTTPException(status_code=404, detail="no such LoRA adapter"), EngineError),
+        (ValueError("top_k must be -1 (disable) or at least 1, got 0."), EngineError),
+        (TypeError("Unexpected keyword argument 'topk'"), EngineError),
+        # 0.5.9 raises only 400, 500 and 503; other statuses come back in the result
+        (Abort("too many requests", status_code=429, returned=True), TransientEngineError),
+        (Abort("no such adapter", status_code=404, returned=True), EngineError),
+    ],
+)
+async def test_aborts_and_failures_are_transient_or_permanent(monkeypatch, reply, kind):
+    eng, _ = make(monkeypatch, config={"replies": [reply]})
+    with pytest.raises(EngineError) as e:
+        await eng.generate([200, 201], SP)
+    assert type(e.value) is kind
+    assert is_transient(e.value) == (kind is TransientEngineError)
+    assert eng.cache_stats().extra["transient"] == (kind is TransientEngineError)
+
+
 async def test_engine_exceptions_become_engine_errors(monkeypatch):
-    class HTTPException(Exception):  # what TokenizerManager raises for 503/500 aborts
+    class Unknown(Exception):  # anything else the tokenizer manager may raise
         pass
 
     eng, _ = make(
         monkeypatch,
-        config={"replies": [HTTPException("503"), ValueError("bad token id"), RuntimeError("x")]},
+        config={"replies": [Unknown("503"), ValueError("bad token id"), RuntimeError("x")]},
     )
     for _ in range(3):
         with pytest.raises(EngineError) as e:
             await eng.generate([200, 201], SP)
-        assert not isinstance(e.value, ContextLimitExceeded)
+        assert type(e.value) is EngineError  # permanent: not retried
+
+
+def _sglang_batch(monkeypatch, tmp_path, replies, n_tasks):
+    """A real batch (and its summary) over the SGLang double: -> (summary, the double)."""
+    from runner.batch import Batch, BatchConfig
+    from runner.policies import NoGate
+    from runner.session import execute
+    from runner.sim.tools import NullSandbox
+    from runner.store import RunStore
+
+    eng, fk = make(monkeypatch, config={"replies": replies})
+    tasks = [Task(f"t{i}", [{"role": "user", "content": "go"}], tools=["submit"]) for i in
+             range(n_tasks)]  # fmt: skip
+    store = RunStore(tmp_path / "run")
+    config = BatchConfig(control_period=0.01, sampling=SP, git_base=False)
+    batch = Batch(tasks, eng, NullSandbox(), NoGate(), store, config)
+    ids = [t.id for t in tasks]
+    execute(batch, eng, "test double", task_ids=ids, invalid_records=0, config={})
+    return json.loads((tmp_path / "run" / "summary.json").read_text()), fk
+
+
+SUBMIT = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
+
+
+def test_a_batch_retries_transient_aborts_and_counts_them(monkeypatch, tmp_path):
+    # both agents' first requests are aborted (waiting queue; retracted under memory
+    # pressure, 503), their retries get the submit
+    replies = [Abort(), Abort(RETRACTED, status_code=503), SUBMIT, SUBMIT]
+    summary, fk = _sglang_batch(monkeypatch, tmp_path, replies, 2)
+    assert summary["agents_by_status"] == {"submitted": 2}
+    assert summary["engine_retries"] == 2 and len(fk.calls) == 4
+
+
+def test_a_batch_fails_permanent_refusals_at_once(monkeypatch, tmp_path):
+    replies = [Abort("invalid stop_regex '('", status_code=400), Abort(TOO_LONG, status_code=400)]
+    summary, fk = _sglang_batch(monkeypatch, tmp_path, replies, 2)
+    assert summary["agents_by_status"] == {"error": 1, "context_limit": 1}
+    assert summary["engine_retries"] == 0 and len(fk.calls) == 2  # never sent again
 
 
 async def test_context_limit(monkeypatch):
@@ -1021,3 +1120,56 @@ async def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypa
     assert s["dp_ranks"] == 2 and s["window"]["max"] == 2
     lines = (tmp_path / "run" / "control.jsonl").read_text().splitlines()
     assert {json.loads(x)["rank"] for x in lines} == {0, 1}
+
+
+# ---- sampling options checked at start-up, through the command line ----------------------
+
+
+def _cli(monkeypatch, tmp_path, records, *flags):
+    """run.py in process with the SGLang double: -> (exit code, the double, run folder)."""
+    from runner.cli.main import main
+
+    handle = install_fake_sglang(monkeypatch)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--tasks", str(path), "--out", str(out), "--engine", "sglang", "--model", "m"]
+    code = main([*argv, "--sandbox", "none", "--policy", "none", *flags])
+    return code, handle.engine, out
+
+
+def test_a_bad_sampling_option_stops_the_run_before_any_agent(monkeypatch, tmp_path, capsys):
+    tasks = [{"id": "a", "prompt": "p"}]
+    code, fk, out = _cli(monkeypatch, tmp_path, tasks, "--sampling-arg", "topk=20")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: sampling options: --sampling-arg topk: not a sampling parameter" in err
+    assert "did you mean top_k?" in err
+    assert fk.calls == [] and fk.shutdown_calls == 1  # no request; the engine is closed
+    assert not (out / "trajectories.jsonl").exists()
+
+
+def test_a_tasks_sampling_the_engine_refuses_is_named_at_start(monkeypatch, tmp_path, capsys):
+    records = [
+        {"id": "a", "prompt": "p"},
+        {"id": "b", "prompt": "p", "sampling": {"max_new_tokens": 8}},
+    ]
+    code, fk, _ = _cli(monkeypatch, tmp_path, records, "--sampling-arg", "min_new_tokens=16")
+    err = capsys.readouterr().err
+    assert code == 2 and fk.calls == []
+    assert "task b (its sampling {'max_new_tokens': 8}): SGLang refuses" in err
+    assert "min_new_tokens must be in [0, max_new_tokens(8)], got 16" in err
+
+
+def test_good_sampling_options_reach_every_request(monkeypatch, tmp_path):
+    tasks = [{"id": "a", "prompt": "p", "max_steps": 1}]
+    code, fk, _ = _cli(monkeypatch, tmp_path, tasks, "--sampling-arg", "top_k=20")
+    assert code == 0 and fk.calls and all(c["sampling_params"]["top_k"] == 20 for c in fk.calls)
+
+
+@pytest.mark.parametrize("engine", ["replay", "sim"])
+def test_sampling_args_for_an_engine_that_samples_nothing_are_refused(engine, capsys):
+    from runner.cli.main import main
+
+    assert main(["--engine", engine, "--tasks", "x.jsonl", "--sampling-arg", "top_k=2"]) == 2
+    assert f"--sampling-arg: --engine {engine} samples nothing" in capsys.readouterr().err

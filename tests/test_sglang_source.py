@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from runner.engine import EngineError, SamplingParams
+from runner.engine import EngineError, SamplingParams, TransientEngineError
 from runner.engines.sglang import SGLangEngine
+from runner.engines.sglang import engine as sg_engine
 from runner.engines.sglang import versions as sg_versions
 from tests import sglang_double as double
 
@@ -315,9 +316,12 @@ CALL = {"type": "object", "properties": {"name": {"const": "submit"}}, "required
 
 
 async def _drive(eng: SGLangEngine) -> None:
+    eng.check_sampling(SamplingParams(max_new_tokens=8, tool_call_schema=json.dumps(CALL)))
     await eng.generate([200, 201], SamplingParams(max_new_tokens=8, logprobs=True), agent="a")
     await eng.generate([200, 201, 202], SamplingParams(max_new_tokens=8), agent="a")
     await eng.generate([200], SamplingParams(tool_call_schema=json.dumps(CALL)), agent="b")
+    with pytest.raises(TransientEngineError):  # the fourth reply: an abort
+        await eng.generate([200], SamplingParams(max_new_tokens=8), agent="b")
     for _ in range(3):
         eng.cache_stats()
         await asyncio.sleep(0.01)
@@ -333,7 +337,9 @@ async def recorded() -> tuple[Seen, Seen]:
     seen, returned = Seen(), Seen()
     mp = pytest.MonkeyPatch()
     try:
-        for config, dp_assign in (({}, "least_loaded"), ({"legacy_loads": True}, "round_robin")):
+        abort = {"replies": [double.Reply("ok")] * 3 + [double.Abort()]}
+        legacy = {**abort, "legacy_loads": True}
+        for config, dp_assign in ((abort, "least_loaded"), (legacy, "round_robin")):
             handle = double.install_fake_sglang(mp, **config)
             base = handle.engine_class
 
@@ -519,3 +525,165 @@ def test_dp_keyword_and_load_path_per_release(version):
 
 def test_server_args_is_a_msgspec_struct_in_the_release():
     assert "ServerArgs = msgspec.defstruct(" in text(RELEASE, "srt/server_args.py")
+
+
+# ---- how a request fails, and which failures may pass (engine._request, _raise_abort) ----
+
+
+def function_source(version: str, rel: str, name: str) -> str:
+    """The source of function `name` in `rel`, its whitespace collapsed."""
+    src = text(version, rel)
+    for node in ast.walk(tree(version, rel)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return " ".join((ast.get_source_segment(src, node) or "").split())
+    raise AssertionError(f"{rel}: no function {name}")
+
+
+def test_a_scheduler_abort_raises_by_status_in_async_generate():
+    tm = "srt/managers/tokenizer_manager.py"
+    handle = function_source(RELEASE, tm, "_handle_abort_finish_reason")
+    # no status (or one outside 400..599): the result comes back with finish_reason abort
+    assert "or status_code is None or not HTTPStatus.BAD_REQUEST <= status_code < 600" in handle
+    assert "return None" in handle
+    # 400: ValueError (permanent); 401..599: fastapi.HTTPException with status_code, detail
+    assert (
+        'if status_code == HTTPStatus.BAD_REQUEST: raise ValueError(finish_reason["message"])'
+        in handle
+    )
+    assert (
+        'raise fastapi.HTTPException( status_code=status_code, detail=finish_reason["message"] )'
+        in handle
+    )
+    assert "_handle_abort_finish_reason(" in function_source(RELEASE, tm, "_stream_one_response")
+    # an AbortReq (waiting queue): a result without status, which the adapter retries
+    abort_req = function_source(RELEASE, tm, "_handle_abort_req")
+    assert 'abort_message = recv_obj.abort_message or "Abort in waiting queue"' in abort_req
+    assert '{ "type": "abort", "message": abort_message, }' in abort_req
+    finish_abort = class_def(tree(RELEASE, "srt/managers/schedule_batch.py"), "FINISH_ABORT")
+    keys = set().union(*(dict_keys(d) for d in ast.walk(finish_abort) if isinstance(d, ast.Dict)))
+    assert keys == {"type", "message", "status_code", "err_type"}
+
+
+def test_older_releases_raise_400_500_and_503_aborts_and_return_the_others():
+    # 0.5.9: inside the response loop; the adapter also reads a status from the result
+    tm = " ".join(text("0.5.9", "srt/managers/tokenizer_manager.py").split())
+    assert (
+        'and finish_reason.get("status_code") == HTTPStatus.BAD_REQUEST ): if not is_stream: '
+        'raise ValueError(finish_reason["message"])' in tm
+    )
+    assert (
+        "HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.INTERNAL_SERVER_ERROR, ):" in tm
+        and 'raise fastapi.HTTPException( status_code=finish_reason["status_code"], '
+        'detail=finish_reason["message"], )'
+        in tm
+    )
+
+
+def _aborts(version: str) -> list[tuple[str, str]]:
+    """(message text, HTTPStatus member) of every FINISH_ABORT(...) whose status is written
+    as HTTPStatus.X, in the files that build them for a generate request (the scheduler and
+    its components, the batch, the caches); the message's literal parts only."""
+    found = []
+    srt = source(version) / "sglang" / "srt"
+    for path in sorted([*(srt / "managers").rglob("*.py"), *(srt / "mem_cache").rglob("*.py")]):
+        src = path.read_text(encoding="utf-8")
+        if "FINISH_ABORT(" not in src:
+            continue
+        mod = ast.parse(src)
+        for node in ast.walk(mod):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "FINISH_ABORT"):
+                continue
+            status = [*node.args[1:2], *(k.value for k in node.keywords if k.arg == "status_code")]
+            if not (status and isinstance(status[0], ast.Attribute)):
+                continue
+            parts = [c.value for c in ast.walk(node.args[0]) if isinstance(c, ast.Constant)]
+            found.append(("".join(str(p) for p in parts), status[0].attr))
+    return found
+
+
+def test_out_of_memory_retraction_and_timeout_aborts_are_transient_bad_requests_not():
+    from http import HTTPStatus
+
+    aborts = _aborts(RELEASE)
+    assert len(aborts) >= 5
+    for message, status in aborts:
+        transient = sg_engine.transient_status(HTTPStatus[status])
+        if any(w in message for w in ("memory", "Retract", "KV", "exhausted")):
+            assert transient, (message, status)
+        if status == "BAD_REQUEST":
+            assert not transient, message
+    messages = " ".join(m for m, _ in aborts)
+    assert "Out of memory even after retracting all other requests" in messages
+    # retracted without a KV backup: its status is a variable, set beside the message
+    retract = function_source(RELEASE, "srt/managers/schedule_batch.py", "retract_decode")
+    assert (
+        '"Retracted under decode memory pressure without a KV " "backup. Retry later." ) '
+        "status_code = HTTPStatus.SERVICE_UNAVAILABLE" in retract
+    )
+    # a timed-out request (AbortReq with a message): 503
+    scheduler = " ".join(text(RELEASE, "srt/managers/scheduler.py").split())
+    assert "FINISH_ABORT( recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE )" in scheduler
+    # validation aborts default to 400: permanent
+    setter = function_source(RELEASE, "srt/managers/schedule_batch.py", "set_finish_with_abort")
+    assert "status_code: int = HTTPStatus.BAD_REQUEST" in setter
+
+
+def test_context_length_refusals_carry_the_phrases_the_adapter_looks_for():
+    # before the scheduler: ValueError; in it: validate_input_length's message as a
+    # set_finish_with_abort (400), which the tokenizer manager raises as ValueError
+    tm = function_source(RELEASE, "srt/managers/tokenizer_manager.py", "_validate_one_request")
+    utils = function_source(RELEASE, "srt/managers/utils.py", "validate_input_length")
+    phrases = sg_engine._CONTEXT_ERRORS
+    assert "raise ValueError" in tm and phrases[0] in tm.lower()
+    assert phrases[1] in utils.lower()
+    handle = function_source(RELEASE, "srt/managers/scheduler.py", "_handle_generate_request")
+    assert (
+        "error_msg = validate_input_length( req, self.max_req_input_len, "
+        "get_serving().allow_auto_truncate, ) if error_msg: req.set_finish_with_abort(error_msg)"
+        in handle
+    )
+
+
+# ---- sampling checked at start-up (engine.check_sampling) --------------------------------
+
+
+def test_check_sampling_builds_sampling_params_as_the_tokenizer_manager_does():
+    tm = text(RELEASE, "srt/managers/tokenizer_manager.py")
+    assert "self.sampling_params_class = SamplingParams" in tm
+    assert "sampling_params = self.sampling_params_class(**sampling_kwargs)" in tm
+    assert "sampling_params.normalize(self.tokenizer)" in tm
+    assert "sampling_params.verify(self.model_config.vocab_size)" in tm
+    assert "sampling_kwargs = {**self.preferred_sampling_params, **obj.sampling_params}" in tm
+    sp = class_def(tree(RELEASE, "srt/sampling/sampling_params.py"), "SamplingParams")
+    methods = {
+        n.name: [a.arg for a in n.args.args] for n in sp.body if isinstance(n, ast.FunctionDef)
+    }
+    assert methods["normalize"] == ["self", "tokenizer"]
+    assert methods["verify"] == ["self", "vocab_size"]
+    # a msgspec Struct: the adapter reads its fields from __struct_fields__
+    assert "class SamplingParams(msgspec.Struct" in text(RELEASE, "srt/sampling/sampling_params.py")
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.18", RELEASE])
+def test_the_internal_sampling_fields_are_the_ones_the_adapter_refuses(version):
+    src = text(version, "srt/sampling/sampling_params.py")
+    sp = class_def(tree(version, "srt/sampling/sampling_params.py"), "SamplingParams")
+    marker = next(
+        i + 1 for i, line in enumerate(src.splitlines()) if "# --- Internal fields" in line
+    )
+    internal = {
+        n.target.id
+        for n in sp.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.lineno > marker
+    }
+    assert internal <= sg_engine.INTERNAL_SAMPLING_FIELDS
+    if version == RELEASE:
+        assert internal == sg_engine.INTERNAL_SAMPLING_FIELDS
+
+
+def test_the_doubles_sampling_checks_are_sglangs():
+    verify = function_source(RELEASE, "srt/sampling/sampling_params.py", "verify")
+    for _, message in double.VERIFY_CHECKS.values():
+        assert message in verify, message
+    assert double.MIN_NEW_ABOVE_MAX in verify
+    assert "Only one of json_schema, regex, ebnf, or structural_tag can be set." in verify

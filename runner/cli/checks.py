@@ -59,6 +59,19 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be <= 1, got {args.top_p}")
     if args.replay_from and args.engine != "replay":
         raise ValueError("--replay-from needs --engine replay")
+    check_sampling_args(args)
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """--sampling-arg: KEY=VALUE items, for an engine that samples. Whether the engine takes
+    each key and value is its own check, once it is up (SamplingCheck)."""
+    if not args.sampling_arg:
+        return
+    if args.engine in ("replay", "sim"):
+        raise ValueError(f"--sampling-arg: --engine {args.engine} samples nothing; drop it")
+    from ..engines.sglang.args import parse_engine_args
+
+    parse_engine_args(args.sampling_arg, flag="--sampling-arg")
 
 
 def check_simulation_options(args: argparse.Namespace) -> None:

@@ -7,12 +7,14 @@ chosen (summary.json keeps the reason). Heavy engines are imported only when cho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import ConstrainedDecoding, Engine
+from ..batch import sampling_for
+from ..engine import ConstrainedDecoding, Engine, SamplingCheck, SamplingParams
 from ..tasks import Task
 
 log = logging.getLogger("concur")
@@ -26,6 +28,7 @@ class EngineSetup:
 
 def _llama_cpp(args: argparse.Namespace, why: str) -> EngineSetup:
     from ..engines.llama_cpp import LlamaCppEngine
+    from ..engines.sglang.args import parse_engine_args
 
     engine = LlamaCppEngine(
         model_path=args.model,
@@ -33,6 +36,7 @@ def _llama_cpp(args: argparse.Namespace, why: str) -> EngineSetup:
         n_threads=args.threads,
         cache_bytes=args.cache_mb << 20,
         seed=args.seed,
+        sampling_extra=parse_engine_args(args.sampling_arg, flag="--sampling-arg"),
     )
     return EngineSetup(engine, why)
 
@@ -110,3 +114,30 @@ def constrain_tool_calls(choice: str, engine: Engine) -> bool:
     if not isinstance(engine, ConstrainedDecoding):
         return False
     return choice == "on" or (choice == "auto" and engine.constrain_by_default)
+
+
+# A schema for the check only: what matters is that a constrained request carries one.
+_ANY_CALL_SCHEMA = '{"type": "object"}'
+
+
+def check_sampling(
+    engine: Engine, base: SamplingParams, tasks: list[Task], constrain: bool
+) -> None:
+    """At start-up, before any agent runs: the run's sampling and each task's own overrides
+    (each distinct set once), through the engine's own check (SamplingCheck), as its
+    requests will carry them. ValueError naming the option (and the task, for a task's)."""
+    if not isinstance(engine, SamplingCheck):
+        return
+    schema = _ANY_CALL_SCHEMA if constrain else None
+    seen: set[SamplingParams] = set()
+    for task in [None, *tasks]:
+        sp = base if task is None else sampling_for(base, task)
+        sp = dataclasses.replace(sp, seed=0, tool_call_schema=schema)
+        if sp in seen:
+            continue
+        seen.add(sp)
+        try:
+            engine.check_sampling(sp)
+        except ValueError as e:
+            where = "" if task is None else f"task {task.id} (its sampling {task.sampling}): "
+            raise ValueError(f"{where}{e}") from None

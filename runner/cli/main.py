@@ -7,6 +7,7 @@ settings), then run it on the one batch path every engine shares (runner/session
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import logging
 import shutil
@@ -30,7 +31,13 @@ from ..tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
 from .checks import check_options, tool_names
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
-from .engines import ENGINES, EngineSetup, constrain_tool_calls, sim_engine_options
+from .engines import (
+    ENGINES,
+    EngineSetup,
+    check_sampling,
+    constrain_tool_calls,
+    sim_engine_options,
+)
 from .parser import AIMD_FLAGS, build_parser
 
 log = logging.getLogger("concur")
@@ -120,7 +127,22 @@ def _main(args: argparse.Namespace) -> int:
         setup = plan.setup or ENGINES[args.engine](args, plan.tasks)
     except Exception as e:  # any failure to start is the user's to see, with its type
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
+    problem = sampling_problem(args, plan, setup)
+    if problem:
+        return fail(problem)
     return run(args, plan, store, sandbox, setup, policy)
+
+
+def sampling_problem(args: argparse.Namespace, plan: Plan, setup: EngineSetup) -> str:
+    """Why the engine would refuse the run's sampling options ("" if it would not), checked
+    once before any agent runs; the engine is closed when it would."""
+    constrain = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
+    try:
+        check_sampling(setup.engine, plan.config.sampling, plan.tasks, constrain)
+    except ValueError as e:
+        asyncio.run(setup.engine.aclose())
+        return f"sampling options: {e}"
+    return ""
 
 
 def run(

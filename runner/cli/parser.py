@@ -302,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         const="",
         metavar="ADDRESS",
         help="run the batch on a Ray cluster, one run folder here, a whole runner per worker: "
-        "ADDRESS of its head (HOST:PORT); none: the cluster this machine belongs to, else a "
-        "new local one (needs pip install 'concur-runner[ray]')",
+        "ADDRESS of its head (HOST:PORT; local: a new one on 127.0.0.1); none: $RAY_ADDRESS, "
+        "else the cluster `ray start` started on this machine, else a new local one "
+        "(needs pip install 'concur-runner[ray]')",
     )
     g.add_argument(
         "--workers",

@@ -5,6 +5,7 @@ sandbox factories the worker calls on its own node, its uid range, its workspace
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -16,12 +17,13 @@ from typing import Any
 from tools.sandbox import AGENT_UID_BASE, CommandSandbox, make_sandbox
 
 from ..batch import BatchConfig
+from ..engine import SamplingParams
 from ..policies import Policy
 from ..progress import Progress
 from ..scaleout.protocol import EngineBuild, WorkerSpec, worker_uid_base
 from ..store import RunStore
 from ..tasks import Task
-from .engines import ENGINES, constrain_tool_calls, sim_engine_options
+from .engines import ENGINES, check_sampling, constrain_tool_calls, sim_engine_options
 
 log = logging.getLogger("concur")
 
@@ -103,16 +105,17 @@ def worker_spec(
         index=index,
         config=own,
         policy=policy,
-        make_engine=functools.partial(build_engine, args),
+        make_engine=functools.partial(build_engine, args, config.sampling),
         make_sandbox=null_sandbox if sim else functools.partial(make_sandbox, args.sandbox),
         run_loop=run_virtual if sim else None,
         virtual_time=sim,
     )
 
 
-def build_engine(args: argparse.Namespace) -> EngineBuild:
+def build_engine(args: argparse.Namespace, sampling: SamplingParams) -> EngineBuild:
     """On the worker's node: its engine, as the single-process CLI would build it (the tasks
-    come later; a replay engine learns their scripts as they arrive)."""
+    come later; a replay engine learns their scripts as they arrive), with the run's
+    sampling checked by it before any agent (a refusal: this worker cannot start)."""
     if args.engine == "sim":
         from ..sim.simulate import load_workload, sim_parts
 
@@ -121,6 +124,11 @@ def build_engine(args: argparse.Namespace) -> EngineBuild:
         return EngineBuild(engine, f"chosen with --engine sim ({args.sim_deployment})")
     setup = ENGINES[args.engine](args, [])
     constrain = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
+    try:
+        check_sampling(setup.engine, sampling, [], constrain)
+    except ValueError:
+        asyncio.run(setup.engine.aclose())
+        raise
     return EngineBuild(setup.engine, setup.why, constrain)
 
 

@@ -7,13 +7,15 @@ turns each find their own prefix again: a real, finite cache whose occupancy and
 mean on CPU what KV usage and radix hits mean on SGLang. Requests run one at a time on one
 worker thread (llama.cpp contexts are not thread-safe); the event loop never blocks.
 
-Capabilities: ConstrainedDecoding (a tool-call schema becomes a GBNF grammar, on by default)
-and TokenLogprobs. The log-probabilities are the model's own: log-softmax of the raw logits
-that produced each token, at temperature 1, before repetition penalty, grammar, top-k, top-p,
-min-p and temperature are applied (so with the grammar, or below temperature 1, they are not
-the probabilities the token was drawn with). That is what llama-cpp-python's own completion
-`logprobs` report (`Llama.logits_to_logprobs` of the raw scores) and what vLLM reports by
-default; llama.cpp's sampler chain does not expose its processed candidates.
+Capabilities: ConstrainedDecoding (a tool-call schema becomes a GBNF grammar, on by
+default), TokenLogprobs, and SamplingCheck (extra sampling options, `--sampling-arg`, are
+keywords of `Llama.generate`, checked once at start-up). The log-probabilities are the
+model's own: log-softmax of the raw logits that produced each token, at temperature 1,
+before repetition penalty, grammar, top-k, top-p, min-p and temperature are applied (so with
+the grammar, or below temperature 1, they are not the probabilities the token was drawn
+with). That is what llama-cpp-python's own completion `logprobs` report
+(`Llama.logits_to_logprobs` of the raw scores) and what vLLM reports by default; llama.cpp's
+sampler chain does not expose its processed candidates.
 
 Only public llama-cpp-python API is used: `Llama` (`generate`, `ctx`, `n_tokens`,
 `input_ids`, `n_vocab`) and the ctypes bindings of llama.h (`llama_get_memory`,
@@ -25,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import difflib
 import importlib.util
+import inspect
+import math
 import os
 import threading
 import time
@@ -40,6 +45,15 @@ from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, 
 from ..template import ChatTemplate
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Llama.generate's keywords the engine sets from SamplingParams or needs for itself; the
+# other ones may come as extras (--sampling-arg).
+OWNED_GENERATE_KEYS = frozenset(
+    {"tokens", "temp", "top_p", "reset", "grammar", "logits_processor", "stopping_criteria"}
+)
+# What llama-cpp-python raises when the context is exceeded: create_completion's check
+# ("Requested tokens (N) exceed context window of M"), and llama_decode's 1 ("no KV slot
+# for the batch": with one sequence in an n_ctx cache, the context is full) from eval().
+_CONTEXT_ERRORS = ("exceed context window", "llama_decode returned 1")
 
 
 def default_model_path() -> Path:
@@ -120,7 +134,9 @@ class PrefixStateCache:
 
 
 class LlamaCppEngine:
-    """Implements Engine, ConstrainedDecoding and TokenLogprobs (runner/engine.py)."""
+    """Implements Engine, ConstrainedDecoding, TokenLogprobs and SamplingCheck
+    (runner/engine.py). `sampling_extra`: more Llama.generate keywords for every request
+    (e.g. top_k, min_p, repeat_penalty, overriding the engine's own defaults)."""
 
     name = "llama.cpp"
 
@@ -131,6 +147,7 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         cache_bytes: int = 1 << 30,
         seed: int = 0,
+        sampling_extra: dict[str, Any] | None = None,
     ) -> None:
         try:
             import llama_cpp
@@ -159,6 +176,7 @@ class LlamaCppEngine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
         self._grammars: dict[str, Any] = {}  # tool-call schema -> compiled GBNF grammar
         self._closing = threading.Event()
+        self._sampling_extra = dict(sampling_extra or {})
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -187,6 +205,28 @@ class LlamaCppEngine:
 
     async def end_agent(self, agent: str) -> None:
         return None  # the prefix cache is shared; LRU ages an ended agent's states out
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """The extras (--sampling-arg) against `Llama.generate`'s keywords, the call each
+        request makes: a known name, of its default's type (a float, an int, a bool);
+        ValueError naming the option. llama.cpp's sampler checks no ranges itself."""
+        params = inspect.signature(self._llm.generate).parameters
+        allowed = sorted(set(params) - OWNED_GENERATE_KEYS)
+        for key, value in self._sampling_extra.items():
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(
+                    f"--sampling-arg {key}: not a sampling parameter of llama.cpp's "
+                    f"Llama.generate{hint}; it takes {', '.join(allowed)}"
+                )
+            default = params[key].default
+            if not _same_kind(value, default):
+                kind = {bool: "a bool", int: "an int", float: "a float"}.get(type(default))
+                raise ValueError(
+                    f"--sampling-arg {key}={value!r}: llama.cpp takes {kind or 'no such value'} "
+                    f"here (default {default!r})"
+                )
 
     def cache_stats(self) -> CacheStats:
         c = self.cache
@@ -239,16 +279,15 @@ class LlamaCppEngine:
         finish = "length"
         stopped_on_eos = False
         text = ""
+        options: dict[str, Any] = {
+            "top_k": 40 if sp.temperature else 1,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+            **self._sampling_extra,
+        }
         try:
             for tok in llm.generate(
-                prompt,
-                temp=sp.temperature,
-                top_p=sp.top_p,
-                top_k=40 if sp.temperature else 1,
-                min_p=0.0,
-                repeat_penalty=1.0,
-                reset=True,
-                grammar=grammar,
+                prompt, temp=sp.temperature, top_p=sp.top_p, reset=True, grammar=grammar, **options
             ):
                 if self._closing.is_set():
                     raise EngineError("engine shut down during generation")
@@ -270,6 +309,9 @@ class LlamaCppEngine:
             raise
         except Exception as e:  # a llama.cpp failure must fail this request only
             llm.reset()
+            if any(s in str(e) for s in _CONTEXT_ERRORS):
+                raise ContextLimitExceeded(f"llama.cpp: the context is full ({e})") from e
+            # in process, nothing passes by itself: no failure here is transient
             raise EngineError(f"llama.cpp generation failed: {type(e).__name__}: {e}") from e
         self._save()
         visible = out[:-1] if stopped_on_eos else out
@@ -338,6 +380,17 @@ class LlamaCppEngine:
         llm.input_ids[:keep] = st.tokens[:keep]
         llm.n_tokens = keep
         return keep
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """Whether an extra fits the parameter whose default is `default`."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    return False  # None or object defaults (processors, grammars): not for the command line
 
 
 class LlamaTokenizer:

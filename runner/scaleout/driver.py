@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..progress import BatchStatus, Progress
@@ -37,25 +39,80 @@ class RayUnavailable(RuntimeError):
     """Ray is not installed, or the cluster cannot be reached: the message says how to fix it."""
 
 
-def connect(address: str | None) -> Any:
-    """ray.init on `address` (None: the cluster this machine belongs to, or a new local one).
-    Returns the ray module."""
+# Ray rewrites 127.0.0.1 to this machine's outward address unless this is "0" when it is
+# first imported (docs/scale-out.md): set for a local cluster, so it binds to loopback only.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The cluster to join (address None: start a local one) and how it was chosen."""
+
+    address: str | None
+    how: str
+
+
+def recorded_address_file() -> Path:
+    """Where `ray start` records the address of the cluster it started on this machine
+    (Ray's own rule: ray._common.utils.get_ray_address_file, read without importing ray, so
+    that a local cluster can still be put on loopback)."""
+    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return Path(tmp) / "ray" / "ray_current_cluster"
+
+
+def resolve(address: str | None) -> Target:
+    """`--ray ADDRESS` as given (`local`: a new local cluster); `--ray` alone: $RAY_ADDRESS,
+    else the cluster last started on this machine with `ray start` if it answers, else a new
+    local cluster on 127.0.0.1 (Ray's own ray.init() would bind it to the outward address)."""
+    if address == "local":
+        return Target(None, "a local Ray cluster on 127.0.0.1 (this machine only)")
+    if address:
+        return Target(address, f"--ray {address}")
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return Target(env, f"$RAY_ADDRESS={env}")
+    path = recorded_address_file()
+    try:
+        recorded = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        recorded = ""
+    if recorded:
+        try:
+            check_reachable(recorded, timeout=2.0)
+            return Target(recorded, f"the cluster started on this machine ({path}: {recorded})")
+        except RayUnavailable:
+            log.warning(
+                "%s names the Ray cluster %s, which does not answer (stopped?): starting a "
+                "local one instead",
+                path,
+                recorded,
+            )
+    return Target(None, "a local Ray cluster on 127.0.0.1 (this machine only)")
+
+
+def connect(address: str | None) -> tuple[Any, Target]:
+    """ray.init on the cluster `resolve(address)` picks. Returns the ray module and it."""
+    target = resolve(address)
+    if target.address is None:
+        os.environ.setdefault(LOOPBACK_ENV, "0")  # before Ray is imported
     try:
         import ray
     except ImportError as e:
         raise RayUnavailable(f"--ray needs the ray package ({e}): {INSTALL}") from None
-    if address and "://" not in address and address not in ("auto", "local"):
-        check_reachable(address)
+    where = target.address
+    if where and "://" not in where and where not in ("auto", "local"):
+        check_reachable(where)
     options: dict[str, Any] = {}
-    host = (address or "").rsplit(":", 1)[0]
-    if host in ("127.0.0.1", "localhost"):  # a loopback cluster: this driver joins on loopback
+    host = (where or "").rsplit(":", 1)[0]
+    if where is None or host in ("127.0.0.1", "localhost"):  # this driver joins on loopback
         options["_node_ip_address"] = "127.0.0.1"
     import runner
     import tools
 
+    log.info("Ray: %s", target.how)
     try:
         ray.init(
-            address=address or None,
+            address=where or "local",
             namespace=NAMESPACE,
             logging_level=logging.WARNING,
             # every worker runs this driver's code (its runner and tools packages)
@@ -64,11 +121,11 @@ def connect(address: str | None) -> Any:
         )
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RayUnavailable(
-            f"cannot join the Ray cluster at {address or '(local)'}: {e}. Start one with "
+            f"cannot join the Ray cluster at {where or '(local)'}: {e}. Start one with "
             "`ray start --head` (and `ray start --address=HEAD:6379` on the other nodes), or "
             "pass the address `ray status` shows"
         ) from None
-    return ray
+    return ray, target
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -159,7 +216,13 @@ class Driver:
                     nodes[k]["NodeID"], soft=False
                 )
             handles.append(Handle(k, cls.options(**opts).remote(self.make_spec(k))))
-        log.info("%d workers over %d nodes (Ray session %s)", n, len(nodes), self.ledger.session)
+        log.info(
+            "%d workers over %d nodes at %s (Ray session %s)",
+            n,
+            len(nodes),
+            ", ".join(sorted({str(x.get("NodeManagerAddress")) for x in nodes})),
+            self.ledger.session,
+        )
         return handles
 
     async def _life(self, h: Handle) -> None:
@@ -401,7 +464,7 @@ def run(
 ) -> DriverOutcome:
     """Join the cluster, run `tasks` on its workers, write summary.json whatever happened.
     Raises RayUnavailable (nothing run) when Ray is missing or the cluster cannot be joined."""
-    ray = connect(address)
+    ray, target = connect(address)
     driver = Driver(ray, store, tasks, make_spec, workers, gpus_per_worker, progress)
     wall0, cpu0 = time.monotonic(), time.process_time()
     interrupted, code = False, 0
@@ -431,7 +494,11 @@ def run(
             wall_seconds=time.monotonic() - wall0,
             interrupted=interrupted,
             config=config,
-            figures={**figures, "ray_address": address or "(local or this machine's cluster)"},
+            figures={
+                **figures,
+                "ray_address": target.address or "local",
+                "ray_cluster": target.how,
+            },
         )
         store.write_summary(summary)
         ray.shutdown()

@@ -1,25 +1,34 @@
 """An oracle lower bound on a simulated batch's time, from the same cost model.
 
-No schedule can finish sooner than either of:
+No schedule can finish sooner than any of:
 - the engine's work with nothing ever recomputed and the GPU never idle: every fresh token
   prefilled once (as if in one batch, plus one launch cost per full chunk; the shared system
-  prompt once), every generated token decoded in iterations as large as the whole batch
-  (weights read once per iteration, the KV of each token's context read once);
+  prompt once), every decoded token in iterations as large as the whole batch (weights read
+  once per iteration, the KV of each token's context read once), and at least as many
+  decode iterations as the pool needs to hold the contexts they read;
 - the longest agent's own serial chain: its prefills and its decodes at batch 1, plus its
   tools, one after another;
-- the KV pool's memory-time: every agent's context must be resident while it generates
-  (at least its batch-1 decode time) and, unless it is dropped and later recomputed, while
-  its tool runs; the pool holds `capacity` tokens at a time, so time x capacity must cover
-  the token-seconds kept. Dropping trades memory for compute: each dropped token saves its
-  tool's seconds of residency and costs its linear prefill FLOPs (or, with a host tier,
-  its PCIe reload). The cheapest trade drops the longest tools' contexts first; the bound is
-  the time where the engine's work plus those recomputes equals the memory-time left.
-Template tokens the runner adds around each turn are left out, which only lowers the bound.
+- the KV pool's memory-time: `capacity` x time must cover the token-seconds the contexts are
+  resident. Every context is resident while a token of it is produced (the whole iteration)
+  and, unless it is dropped and later recomputed, while its tool runs. Producing tokens in
+  fewer iterations makes each iteration read more KV (longer) while more contexts are
+  resident (larger): with N such iterations the decode residency is at least base x R' + k x
+  R'^2 / N (Cauchy-Schwarz), and the engine needs at least N iterations' fixed cost. The bound
+  takes the N that is best for the schedule. Dropping trades memory for compute: each dropped
+  token saves its tool's seconds of residency and costs its recompute (linear FLOPs and the
+  attention of its position; with a host tier, at most its PCIe reload), cheapest per
+  token-second first, paid both by the engine and by the dropping agent's own chain. The
+  bound is the least time at which all of this fits.
+Each step produces its first token in its prefill and the rest in decode iterations. Template
+tokens the runner adds around each turn are left out, which only lowers the bound.
+docs/simulator.md ("The oracle lower bound") gives each term's argument.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import CostModel
@@ -27,6 +36,59 @@ from .engine import deployment as sim_deployment
 from .workload import Workload
 
 CHUNK = 8192  # SGLang's default chunked_prefill_size
+
+
+@dataclass
+class _Totals:
+    """What the bound needs from a workload, in one pass over its steps."""
+
+    segments: list[tuple[int, int]] = field(default_factory=list)  # every fresh prefill
+    fresh: int = 0  # fresh prefill tokens
+    sampled: int = 0  # prefills that sample a token (one per step)
+    decode: int = 0  # tokens produced after each step's first (G)
+    reads: int = 0  # sum over them of the context they attend (R)
+    private_reads: int = 0  # the same without the shared prompt (R')
+    squares: int = 0  # sum over them of (private context)^2 (Q)
+    chains: list[float] = field(default_factory=list)  # each agent's serial chain
+    # (tool seconds, private context held meanwhile, its whole context, agent)
+    tools: list[tuple[float, int, int, int]] = field(default_factory=list)
+    # per agent: seconds of recompute its own prefills can hide under their weight reads
+    hidden: list[float] = field(default_factory=list)
+
+
+def _totals(workload: Workload, cost: CostModel) -> _Totals:
+    tot = _Totals()
+    sys_tokens = workload.system_tokens
+    if sys_tokens:
+        tot.segments.append((0, sys_tokens))
+        tot.fresh += sys_tokens
+    for agent, a in enumerate(workload.agents):
+        start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
+        chain = hidden = 0.0
+        for i, s in enumerate(a.steps):
+            tot.segments.append((start, ctx))
+            tot.fresh += ctx - start
+            tot.sampled += 1
+            solo = cost.prefill([(start, ctx)])  # its own iteration at least
+            chain += solo.seconds
+            if i:  # where recompute of what it lost in the tool before would land
+                hidden += max(0.0, solo.parts["memory"] - solo.parts["compute"])
+            # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
+            n, own = s.gen_tokens - 1, ctx - sys_tokens
+            tot.decode += n
+            tot.reads += n * ctx + n * (n + 1) // 2
+            tot.private_reads += n * own + n * (n + 1) // 2
+            tot.squares += n * own * own + own * n * (n + 1) + n * (n + 1) * (2 * n + 1) // 6
+            # decode(1, c) is convex in c: n x its value at the mean context is a lower bound
+            chain += n * cost.decode(1, ctx + s.gen_tokens // 2) if n else 0.0
+            ctx += s.gen_tokens
+            if i < len(a.steps) - 1:
+                chain += s.tool_seconds
+                tot.tools.append((s.tool_seconds, ctx - sys_tokens, ctx, agent))
+                start, ctx = ctx, ctx + s.obs_tokens
+        tot.chains.append(chain)
+        tot.hidden.append(hidden)
+    return tot
 
 
 def lower_bound(
@@ -41,73 +103,40 @@ def lower_bound(
     tier's size is not a constraint here, which only lowers the bound."""
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep, pcie_bytes_per_s)
+    tot = _totals(workload, cost)
+    sys_tokens, capacity = workload.system_tokens, dep.pool_tokens
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
-    segments_all: list[tuple[int, int]] = []  # every fresh prefill, any agent
-    fresh_tokens = 0
-    gen_tokens = 0
-    ctx_reads = 0  # sum over generated tokens of the context they attend to
-    chains = []
-    held = 0.0  # token-seconds every agent's context must stay resident while it generates
-    tool_items: list[tuple[float, int]] = []  # (tool seconds, context tokens held meanwhile)
-    sys_tokens = workload.system_tokens
-    if sys_tokens:
-        segments_all.append((0, sys_tokens))
-        fresh_tokens += sys_tokens
-    for a in workload.agents:
-        ctx = sys_tokens + a.prompt_tokens
-        segments = [(sys_tokens, ctx)]  # positions prefilled fresh, one per step
-        chain = 0.0
-        for i, s in enumerate(a.steps):
-            start, end = segments[-1]
-            segments_all.append((start, end))
-            fresh_tokens += end - start
-            chain += cost.prefill([(start, end)]).seconds  # its own iteration at least
-            # decode s.gen_tokens tokens, contexts ctx+1 .. ctx+gen
-            reads = s.gen_tokens * ctx + s.gen_tokens * (s.gen_tokens + 1) // 2
-            ctx_reads += reads
-            gen_tokens += s.gen_tokens
-            # decode(1, c) is convex in c: gen x its value at the mean context is a lower bound
-            gen_seconds = s.gen_tokens * cost.decode(1, ctx + (s.gen_tokens + 1) // 2)
-            chain += gen_seconds
-            held += (ctx - sys_tokens) * gen_seconds  # the shared prompt is left out
-            ctx += s.gen_tokens
-            if i < len(a.steps) - 1:
-                chain += s.tool_seconds
-                tool_items.append((s.tool_seconds, ctx - sys_tokens))
-                segments.append((ctx, ctx + s.obs_tokens))
-                ctx += s.obs_tokens
-        chains.append(chain)
+    chunks = math.ceil(tot.fresh / CHUNK)
     # Prefill as one iteration over every segment (weights read once, one all-reduce
     # latency): no batching of the same work can be cheaper; the fixed launch cost is paid
     # once per chunk of fresh tokens at least.
-    n_sampled = len(segments_all) - (1 if sys_tokens else 0)
-    batched = cost.prefill(segments_all, sampled=n_sampled) if segments_all else None
+    batched = cost.prefill(tot.segments, sampled=tot.sampled) if tot.segments else None
     body = batched.seconds - fixed if batched else 0.0
-    prefill = body + math.ceil(fresh_tokens / CHUNK) * fixed
+    prefill = body + chunks * fixed
     # Recompute adds compute; where the batched prefill is memory-bound, that much of it
     # could hide under the weight reads, so the memory term starts that much lower.
     slack = max(0.0, batched.parts["memory"] - batched.parts["compute"]) if batched else 0.0
+    # The prefill iterations' compute, launches and all-reduces alone: additive over any
+    # split of the work, so recomputes add to it in full.
+    prefill_compute = (
+        batched.parts["compute"] + cost.allreduce(tot.fresh) + chunks * fixed if batched else 0.0
+    )
     # Decode in iterations of the whole batch; the per-iteration batch is rounded down so
     # the bound never counts more tokens than were generated.
-    iters = math.ceil(gen_tokens / max(1, len(workload.agents)))
-    batch = gen_tokens // iters if iters else 0
-    decode = iters * cost.decode(batch, ctx_reads // iters) if iters else 0.0
+    gen, reads = tot.decode, tot.reads
+    iters = math.ceil(gen / max(1, len(workload.agents)))
+    batch = gen // iters if iters else 0
+    decode = iters * cost.decode(batch, reads // iters) if iters else 0.0
     # Every request in one decode iteration is resident at once: their contexts (the shared
     # prompt once) fit the pool, so there are at least this many iterations.
-    private_reads = ctx_reads - gen_tokens * sys_tokens
-    mem_iters = math.ceil(private_reads / max(1, dep.pool_tokens - sys_tokens))
-    decode = max(decode, _decode_floor(cost, mem_iters, gen_tokens, ctx_reads))
+    mem_iters = math.ceil(tot.private_reads / max(1, capacity - sys_tokens))
+    decode = max(decode, _decode_floor(cost, mem_iters, gen, reads))
     engine = prefill + decode
-    chain = max(chains, default=0.0)
-    # a dropped token costs the floor of its recompute, or its reload where a host tier
-    # makes that cheaper
-    per_token = cost.prefill_linear_per_token
-    if host_tier:
-        per_token = min(per_token, cost.host_load(1))
-    # the full pool: the shared prompt's own residency is left out of `held` instead
-    memory = max(
-        engine, _memory_bound(engine - slack, held, tool_items, dep.pool_tokens, per_token)
-    )
+    chain = max(tot.chains, default=0.0)
+    memory = _coupled_memory_bound(
+        cost, tot, len(workload.agents), sys_tokens, capacity, host_tier,
+        max(engine - slack, prefill_compute), engine,
+    )  # fmt: skip
     return {
         "bound_seconds": round(max(memory, chain), 3),
         "engine_bound_seconds": round(engine, 3),
@@ -137,27 +166,123 @@ def _decode_floor(cost: CostModel, iters: int, gen_tokens: int, ctx_reads: int) 
     return max(memory, compute) + allreduce + iters * one["overhead"]
 
 
-def _memory_bound(
-    engine: float,
-    held: float,
-    tool_items: list[tuple[float, int]],
+def _coupled_memory_bound(
+    cost: CostModel,
+    tot: _Totals,
+    agents: int,
+    sys_tokens: int,
     capacity: int,
-    per_token: float,
+    host_tier: bool,
+    engine: float,
+    floor: float,
 ) -> float:
-    """min over drops of max(engine + drop cost, memory-time left / capacity). Dropping a
-    token held through a t-second tool saves t token-seconds for per_token seconds of work,
-    so the longest tools go first (a fractional knapsack: greedy is optimal)."""
+    """The memory bound, coupled to N, the iterations that produce decode tokens. Each of
+    them, decode or a retracted request's re-prefill, lasts at least base + k x C (one
+    token's weights, launch and all-reduce latency, plus reading the C context tokens of its
+    requests) while those contexts are resident, so (C' = C without the shared prompt)
+    their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) + sys R');
+    and the N iterations take >= N base + k R + the extra weights and all-reduce bytes of
+    batching, so a run of T seconds has N <= N(T). `engine` is the work the drops'
+    recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
+    one = cost.decode_parts(1, 0)
+    base = one["memory"] + one["allreduce"] + one["overhead"]
+    k = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
+    # batching: a token beyond the first adds at least the chord of the (concave) expert
+    # weights read over 1..agents, and its all-reduce bytes
+    wide = cost.decode_parts(max(2, agents), 0)["memory"]
+    per_tok = (wide - one["memory"]) / max(1, agents - 1)
+    per_tok += cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
+    rp, g = tot.private_reads, tot.decode
+    fixed_part = g * per_tok + k * tot.reads
+    slope = base - per_tok  # >= 0: w(agents) <= agents x w(1) for concave w, w(0) >= 0
+    # at most `agents` requests per iteration, and their contexts fit the pool
+    lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens))
+
+    def held(t: float) -> float | None:
+        """Decode residency of a run of t seconds (None: too short for its iterations)."""
+        if g <= 0:
+            return 0.0
+        n = float(g) if slope <= 0 else min(float(g), (t - fixed_part) / slope)
+        if n < lo:
+            return None
+        return base * rp + k * (max(tot.squares, rp * rp / n) + sys_tokens * rp)
+
+    items = _drop_items(cost, tot, sys_tokens, host_tier)
+    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden)
+
+
+def _drop_items(
+    cost: CostModel, tot: _Totals, sys_tokens: int, host_tier: bool
+) -> list[tuple[float, float, int, int]]:
+    """(tool seconds, seconds per dropped token, tokens, agent) per tool wait. Eviction takes
+    leaves, so what an agent loses is a suffix of its context: recomputing x of its n tokens costs
+    their linear FLOPs and attention over positions n - x .. n - 1, on average at least
+    (n + shared prompt) / 2 keys each (x <= n - shared). A host tier reloads at most that."""
+    lin = cost.prefill_linear_per_token
+    # one more token at position 1: its linear FLOPs and 2 more (query, key) pairs
+    two = cost.prefill([(0, 2)]).parts["compute"] - cost.prefill([(0, 1)]).parts["compute"]
+    pair = (two - lin) / 2
+    out = []
+    for t, n, whole, agent in tot.tools:
+        per = lin + pair * (whole + sys_tokens) / 2
+        if host_tier:
+            per = min(per, cost.host_load(1))
+        out.append((t, per, n, agent))
+    return out
+
+
+def _memory_bound(
+    floor: float,
+    engine: float,
+    held: Callable[[float], float | None],
+    items: list[tuple[float, float, int, int]],
+    capacity: int,
+    chains: Sequence[float] = (),
+    hidden: Sequence[float] = (),
+) -> float:
+    """The least T >= floor at which the memory fits: capacity x T >= held(T) + the tools'
+    residency - what drops save, where the drops' recompute fits both the engine
+    (engine + cost <= T) and each agent's own chain (its drops cost it at least their
+    recompute less what its prefills hide: chains[a] + cost_a - hidden[a] <= T; agent -1:
+    no chain). Feasibility only grows with T, so bisection; the answer is the largest T
+    shown infeasible (or floor), hence a lower bound."""
     if capacity <= 0:
         return math.inf
-    memory = held + sum(t * n for t, n in tool_items)
-    spent = 0.0
-    for t, n in sorted(tool_items, key=lambda item: -item[0]):
-        if engine + spent >= memory / capacity:
-            break
-        # drop x of these n tokens: engine + spent + x*per_token == (memory - x*t) / capacity
-        x = (memory / capacity - engine - spent) / (per_token + t / capacity)
-        if x <= n:
-            return engine + spent + x * per_token
-        spent += n * per_token
-        memory -= n * t
-    return max(engine + spent, memory / capacity)
+    tools = sum(t * n for t, _, n, _ in items)
+    dear = math.inf  # a token held through no tool saves nothing
+    order = sorted(items, key=lambda it: it[1] / it[0] if it[0] > 0 else dear)
+
+    def fits(t: float) -> bool:
+        h = held(t)
+        if h is None or engine > t:
+            return False
+        need = h + tools - capacity * t  # token-seconds the drops must save
+        budget = t - engine
+        left = [t - c + hidden[a] for a, c in enumerate(chains)]
+        for sec, per, n, agent in order:
+            if need <= 0 or budget <= 0 or sec <= 0:
+                break
+            room = budget if agent < 0 else min(budget, left[agent])
+            x = n if per <= 0 else min(n, room / per)
+            if x <= 0:
+                continue
+            if x * sec >= need:  # a part of this item is enough
+                return True
+            need -= x * sec
+            budget -= x * per
+            if agent >= 0:
+                left[agent] -= x * per
+        return need <= 0
+
+    if fits(floor):
+        return floor
+    lo, hi = floor, max(2 * floor, 1e-6)
+    while not fits(hi):
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo

@@ -109,7 +109,8 @@ def add_sglang_arguments(group: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra SGLang sampling parameter for every request (repeatable), e.g. top_k=20",
+        help="extra sampling parameter for every request (repeatable), e.g. top_k=20: an SGLang "
+        "SamplingParams field or a llama.cpp Llama.generate keyword; checked at start",
     )
     group.add_argument(
         "--sglang-sessions",

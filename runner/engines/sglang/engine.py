@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib
 import inspect
 import itertools
@@ -16,7 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import toolcall
-from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
+from ...engine import (
+    CacheStats,
+    ContextLimitExceeded,
+    EngineError,
+    Generation,
+    SamplingParams,
+    TransientEngineError,
+)
 from . import versions
 from .loads import LoadSnapshots, number
 from .tokenizer import SGLangTokenizer
@@ -42,10 +50,22 @@ LOGPROB_KEYS = frozenset(
 # Substrings of SGLang's own context-length refusals (tokenizer_manager._validate_one_request,
 # scheduler validate_input_length).
 _CONTEXT_ERRORS = ("context length", "maximum allowed length")
+# SamplingParams fields SGLang fills itself (normalize()); not for callers to set.
+INTERNAL_SAMPLING_FIELDS = frozenset(
+    {
+        "stop_strs",
+        "stop_regex_strs",
+        "stop_str_max_len",
+        "stop_regex_max_len",
+        "is_normalized",
+        "ebnf_full_assistant",
+    }
+)
 _COUNTERS = (
     "requests",
     "aborted",
     "failed",
+    "transient",
     "prompt_tokens",
     "cached_tokens",
     "cached_host_tokens",
@@ -312,6 +332,46 @@ class SGLangEngine:
         """Whether this release's async_generate takes return_logprob."""
         return self._gives_logprobs
 
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """What a request with `sampling` would send (the `sampling_extra` options included),
+        through SGLang's own SamplingParams as the tokenizer manager builds it for every
+        request (`sampling_params_class(**params)`, `.normalize(tokenizer)`,
+        `.verify(vocab_size)`), once, before any request. ValueError naming the option."""
+        try:
+            params = self._sampling_params(sampling, max(1, sampling.max_new_tokens))
+        except EngineError as e:
+            raise ValueError(str(e)) from None
+        cls = self._sampling_class()
+        fields = _sampling_fields(cls) - INTERNAL_SAMPLING_FIELDS
+        for key in sorted(set(params) - fields):
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(
+                f"--sampling-arg {key}: not a sampling parameter of this SGLang{hint}; "
+                f"it takes {', '.join(sorted(fields))}"
+            )
+        preferred = getattr(self._tm, "preferred_sampling_params", None)
+        merged = {**preferred, **params} if isinstance(preferred, dict) else params
+        model_config = getattr(self._tm, "model_config", None)
+        try:
+            obj = cls(**merged)
+            obj.normalize(self._tok.hf)
+            obj.verify(getattr(model_config, "vocab_size", None))
+        except Exception as e:  # verify()'s ValueError names the field and the value
+            shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k != "structural_tag")
+            raise ValueError(f"SGLang refuses the sampling parameters ({shown}): {e}") from None
+
+    def _sampling_class(self) -> Any:
+        """The SamplingParams class SGLang's tokenizer manager builds each request with."""
+        cls = getattr(self._tm, "sampling_params_class", None)
+        if cls is None:
+            try:
+                mod = importlib.import_module("sglang.srt.sampling.sampling_params")
+                cls = mod.SamplingParams
+            except (ImportError, AttributeError) as e:
+                raise EngineError(f"cannot find SGLang's SamplingParams ({e})") from None
+        return cls
+
     # ---- requests ----------------------------------------------------------------------
 
     def _room(self, ids: list[int], sampling: SamplingParams) -> int:
@@ -329,14 +389,27 @@ class SGLangEngine:
         return max_new
 
     async def _request(self, kwargs: dict[str, Any]) -> Any:
+        """async_generate. How SGLang fails a request (non-streaming, no HTTP request):
+        refusals before the scheduler (`_validate_one_request`, SamplingParams) raise
+        ValueError; a scheduler abort with status 400 raises ValueError, with a status up to
+        599 `fastapi.HTTPException` (`_handle_abort_finish_reason`); an abort without status
+        comes back as a result (`_checked_meta`)."""
         try:
             return await self._engine.async_generate(**kwargs)
-        except ValueError as e:
+        except ValueError as e:  # a bad request: trying again fails the same way
             self._counts["failed"] += 1
             if any(s in str(e).lower() for s in _CONTEXT_ERRORS):
                 raise ContextLimitExceeded(str(e)) from None
             raise EngineError(f"SGLang refused the request: {e}") from None
-        except Exception as e:  # fastapi.HTTPException for 503/500 aborts, ZMQ errors, ...
+        except (ConnectionError, TimeoutError) as e:
+            self._counts["failed"] += 1
+            self._counts["transient"] += 1
+            raise TransientEngineError(f"SGLang request failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # fastapi.HTTPException for 5xx aborts, ZMQ errors, ...
+            status = getattr(e, "status_code", None)
+            if isinstance(status, int):
+                self._counts["aborted"] += 1
+                _raise_abort(status, str(getattr(e, "detail", e)), self._counts)
             self._counts["failed"] += 1
             raise EngineError(f"SGLang request failed: {type(e).__name__}: {e}") from None
 
@@ -470,8 +543,9 @@ class SGLangEngine:
         )
 
     def _checked_meta(self, out: Any) -> dict[str, Any]:
-        """meta_info of a finished request; aborts raise (context-length ones as
-        ContextLimitExceeded)."""
+        """meta_info of a finished request; an abort raises (see _raise_abort). Aborts
+        come back as results when they carry no status: an AbortReq (`Aborted`, `Abort in
+        waiting queue`: tokenizer_manager._handle_abort_req), a pause or a session close."""
         if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
             self._counts["failed"] += 1
             raise EngineError(f"unexpected SGLang result: {type(out).__name__}")
@@ -480,9 +554,8 @@ class SGLangEngine:
         if (fr.get("type") if isinstance(fr, dict) else fr) == "abort":
             self._counts["aborted"] += 1
             msg = fr.get("message") if isinstance(fr, dict) else None
-            if msg and any(s in str(msg).lower() for s in _CONTEXT_ERRORS):
-                raise ContextLimitExceeded(str(msg))
-            raise EngineError(f"SGLang aborted the request: {msg or 'no reason given'}")
+            status = fr.get("status_code") if isinstance(fr, dict) else None
+            _raise_abort(status, str(msg or "no reason given"), self._counts)
         return meta
 
     def _ends_on_eos(self, output_ids: list[int], fr: Any) -> bool:
@@ -565,6 +638,26 @@ class SGLangEngine:
 
 
 # ---- construction helpers ---------------------------------------------------------------
+
+
+def transient_status(status: int) -> bool:
+    """Whether an abort with this HTTP status may pass: the server's side (5xx: out of
+    memory even after retracting, retracted without a KV backup, a timeout's 503, a failed
+    KV load), a time-out (408) or overload (429). Other 4xx are the request's own fault."""
+    return status >= 500 or status in (408, 429)
+
+
+def _raise_abort(status: Any, message: str, counts: dict[str, int]) -> None:
+    """An aborted request as the runner's error: context-length refusals as
+    ContextLimitExceeded, other bad requests (4xx) as EngineError, everything else
+    (5xx, or no status: aborted by a caller, a pause, a retraction) as TransientEngineError."""
+    if any(s in message.lower() for s in _CONTEXT_ERRORS):
+        raise ContextLimitExceeded(message)
+    code = f" ({status})" if isinstance(status, int) else ""
+    if isinstance(status, int) and 400 <= status < 500 and not transient_status(status):
+        raise EngineError(f"SGLang refused the request{code}: {message}")
+    counts["transient"] += 1
+    raise TransientEngineError(f"SGLang aborted the request{code}: {message}")
 
 
 def _check_choices(dp_assign: str, priority: Any) -> None:
@@ -650,6 +743,16 @@ def _generate_params(eng: Any) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return None
     return set(sig.parameters)
+
+
+def _sampling_fields(cls: Any) -> set[str]:
+    """Field names of SGLang's SamplingParams: a msgspec Struct's `__struct_fields__`
+    (0.5.16 and later at least), else its constructor's keywords (a plain class in 0.5.9)."""
+    names = getattr(cls, "__struct_fields__", None)
+    if names is not None:
+        return set(names)
+    params = inspect.signature(cls).parameters.values()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _host_tokens(details: Any) -> int:

@@ -6,8 +6,9 @@ trajectory line, each one write() and fsync'd) into a fresh run folder on a real
 records how late it wakes up (the lag every agent, the gate and the controller would see).
 Three ways, side by side in one run, alternating over --rounds:
 
-- on the loop (before): RunStore's synchronous writes (`append_records`, `add_trajectory`)
-  called from the agent's task, as the batch did until the writer thread;
+- on the loop (before): RunStore's synchronous writes (`append_records`, `add_trajectories`,
+  as the Ray driver's writer thread uses them) called from the agent's task: one line each,
+  one fsync each, what the batch did until the writer thread;
 - aiofiles: each line through `aiofiles.open` (open, write, fsync, close: each a hop to the
   loop's default thread pool);
 - writer thread (now): `RunStore.finish`, what the batch calls: the same synchronous writes,
@@ -66,7 +67,7 @@ def records(n: int, seed: int = 0) -> list[tuple[dict[str, Any], dict[str, Any]]
 
 async def on_loop(store: RunStore, traj: dict[str, Any], rollout: dict[str, Any]) -> None:
     store.append_records("rollouts.jsonl", [rollout])
-    store.add_trajectory(traj)
+    store.add_trajectories([traj])
 
 
 _fsync = aiofiles.os.wrap(os.fsync)

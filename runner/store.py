@@ -414,11 +414,6 @@ class RunStore:
             write_json_atomic(meta, known)
         return known
 
-    def add_trajectory(self, record: dict[str, Any]) -> None:
-        record = {"format": FORMAT_VERSION, **record}
-        _append(self.trajectories, record)
-        self.finished[record["task_id"]] = record
-
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
 

@@ -18,16 +18,16 @@ def test_one_writer_per_run_folder(tmp_path):
 
 def test_lone_surrogates_are_stored_not_fatal(tmp_path):
     s = RunStore(tmp_path / "run")
-    s.add_trajectory({"task_id": "t", "status": "submitted", "answer": "x\ud800y"})
+    s.add_trajectories([{"task_id": "t", "status": "submitted", "answer": "x\ud800y"}])
     rec = json.loads((tmp_path / "run" / "trajectories.jsonl").read_text())
     assert rec["answer"] == "x\ud800y"
 
 
 def test_retry_errors_only_for_the_selected_tasks(tmp_path):
     s = RunStore(tmp_path / "run")
-    s.add_trajectory({"task_id": "a", "status": "error", "reason": "boom"})
-    s.add_trajectory({"task_id": "b", "status": "error", "reason": "boom"})
-    s.add_trajectory({"task_id": "c", "status": "submitted"})
+    s.add_trajectories([{"task_id": "a", "status": "error", "reason": "boom"}])
+    s.add_trajectories([{"task_id": "b", "status": "error", "reason": "boom"}])
+    s.add_trajectories([{"task_id": "c", "status": "submitted"}])
     assert s.retry_errors({"a", "c"}) == ["a"]
     lines = [
         json.loads(x) for x in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()

@@ -1,26 +1,34 @@
 """The gate's own cost with 10,000 agents, next to the engine's per-step time.
 
-    python bench/gate_bench.py [--agents 10000] [--no-engine]
+    python bench/gate_bench.py [--agents 10000] [--repeats 3] [--baseline REF] [--no-engine]
 
-Prints microseconds per admission check (the hot path: an admitted agent between steps),
+Prints microseconds (this thread's CPU time) per admission check (the hot path: an admitted
+agent between steps),
 per admission of a waiting agent, per pause/resume cycle, and per control update
-(signals -> policy -> resize -> control line), and writes bench/results/gate.json.
+(signals -> policy -> resize -> control line), and writes bench/results/gate.json. Each
+repeat runs in a fresh process; with --baseline, the `runner` package of a git ref (e.g.
+main) is measured too, interleaved with this one, so both see the same machine load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# where `runner` is imported from: this checkout, or a --baseline ref's copy
+sys.path.insert(0, os.environ.get("GATE_BENCH_CODE", str(Path(__file__).resolve().parents[1])))
 
 from runner.control import Controller
 from runner.engine import CacheStats, SamplingParams
@@ -29,7 +37,114 @@ from runner.policies import AIMD, Signals, WorkingSet
 from runner.sim.engine import CostModel
 from runner.sim.engine import deployment as sim_deployment
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+CODE_ENV = "GATE_BENCH_CODE"
+RESULTS = ROOT / "bench" / "results"
+# the per-period figures set against one engine step
+PERIODS = (
+    "control_update_us",
+    "control_update_median_us",
+    "control_update_wset_us",
+    "control_update_wset_moving_us",
+    "control_update_wset_moving_median_us",
+    "wset_policy_update_us",
+)
+
+
+def cpu() -> float:
+    """This thread's CPU time: what the gate costs, without the time other processes on a
+    shared machine take the core away (wall time on a loaded machine reads several x high)."""
+    return time.thread_time()
+
+
+def timed_periods(ctl: Controller, periods: int, before: Callable[[], None]) -> list[float]:
+    """Seconds of each of `periods` control steps (`before` runs untimed ahead of each)."""
+    out = []
+    for _ in range(periods):
+        before()
+        t = cpu()
+        ctl.step()
+        out.append(cpu() - t)
+    return out
+
+
+def _named(name: str, seconds: list[float]) -> dict[str, float]:
+    """The mean period (what a run pays on average) and the median one (a typical period;
+    the mean includes the few that pause or resume thousands of agents at once)."""
+    return {
+        f"{name}_us": statistics.fmean(seconds) * 1e6,
+        f"{name}_median_us": statistics.median(seconds) * 1e6,
+    }
+
+
+def _signals_with(gate: Gate, **kw: object) -> Signals:
+    """Signals carrying the gate's contexts: its view where the code has one
+    (`Signals.contexts`), the two tuples of the code before it (a --baseline run)."""
+    if "contexts" in {f.name for f in dataclasses.fields(Signals)}:
+        return Signals(contexts=gate.contexts(), **kw)  # type: ignore[arg-type]
+    held, waiting = gate.contexts()  # type: ignore[misc]  # the tuples of the code before
+    return Signals(held_contexts=held, waiting_contexts=waiting, **kw)  # type: ignore[call-arg]
+
+
+async def _half_held(n: int) -> tuple[Gate, list[asyncio.Task[None]], list[str]]:
+    """A gate of n agents with random contexts (each above the ~1,000 shared tokens the
+    periods report): half hold a slot, half wait (pending)."""
+    rng = random.Random(0)
+    keys = [f"agent-{i}" for i in range(n)]
+    gate = Gate(n // 2, pause_rule="newest", resume_rule="newest")
+    for k in keys:
+        gate.register(k)
+    tasks = [asyncio.create_task(gate.acquire(k, rng.randint(2_000, 30_000))) for k in keys]
+    await asyncio.sleep(0)
+    return gate, tasks, keys
+
+
+async def wset_periods(n: int, periods: int) -> dict[str, float]:
+    """wset's own update, and whole wset periods on a gate that moves: between two periods,
+    agents take steps (contexts grow, the hot path), first requests report the shared prefix,
+    the fit shrinks, agents are marked and pause at their next step."""
+    gate, tasks, keys = await _half_held(n)
+    kw = dict(
+        now=0.0, window=n // 2, usage=0.3, hit_rate=0.5, active=n // 2, paused=0,
+        pending=n - n // 2, finished=0, unfinished=n, capacity_tokens=n * 20_000,
+        growth_per_step=500.0, recompute_rate=0.1, shared_tokens=1_000,
+    )  # fmt: skip
+    sig = _signals_with(gate, **kw)
+    policy = WorkingSet()
+    t = cpu()
+    for _ in range(periods):
+        policy.update(sig)
+    policy_us = (cpu() - t) / periods * 1e6
+
+    rng = random.Random(1)
+    ctx = dict.fromkeys(keys, 15_000)
+    held_tokens = 15_500 * (n // 2)  # the pool fits about the holders: the fit moves each period
+    ctl = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, int(held_tokens / 0.9)), 1.0)
+    stepping: dict[str, asyncio.Task[None]] = {}
+    spent, moved = [], 0
+    for p in range(periods):
+        for k in rng.sample(keys[: n // 2], 200):  # 200 steps a period among the first holders
+            if k not in stepping or stepping[k].done():
+                ctx[k] += rng.randint(50, 400)
+                stepping[k] = asyncio.create_task(gate.acquire(k, ctx[k]))
+        await asyncio.sleep(0)
+        for i in range(10):  # first requests: what they found cached is the shared prefix
+            ctl.record(3_000, 1_000 + (p * 10 + i) % 7, 3_000)
+        ctl.record(20_000, 15_000)
+        t = cpu()
+        ctl.step()
+        spent.append(cpu() - t)
+        line = ctl.stats.last  # the agents this period marked, paused, resumed, admitted
+        moved += len(line["admitted"]) + len(line["paused_ids"]) + len(line["resumed"])
+        await asyncio.sleep(0)
+    for task in [*tasks, *stepping.values()]:
+        task.cancel()
+    await asyncio.gather(*tasks, *stepping.values(), return_exceptions=True)
+    return {
+        "wset_policy_update_us": policy_us,
+        **_named("control_update_wset_moving", spent),
+        "control_update_wset_moving_agents_per_period": moved / periods,
+    }
 
 
 async def gate_costs(n: int) -> dict[str, float]:
@@ -39,78 +154,54 @@ async def gate_costs(n: int) -> dict[str, float]:
         gate.register(k)
 
     # admission of waiting agents: n agents each acquire once with room for all
-    t = time.perf_counter()
+    t = cpu()
     for k in keys:
         await gate.acquire(k, 1000)
-    admit_us = (time.perf_counter() - t) / n * 1e6
+    admit_us = (cpu() - t) / n * 1e6
 
     # the hot path: an admitted agent's check before its next generation
     reps = 20
-    t = time.perf_counter()
-    for _ in range(reps):
+    t = cpu()
+    for r in range(reps):
         for k in keys:
-            await gate.acquire(k, 1000)
-    hot_us = (time.perf_counter() - t) / (n * reps) * 1e6
+            await gate.acquire(k, 1000 + r)
+    hot_us = (cpu() - t) / (n * reps) * 1e6
 
     # control updates: AIMD over the full population, window moving every period
     usage = [0.1, 0.3, 0.7, 0.7]  # grow, hold, cut (with low H), cut
     ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0)
     periods = 200
-    t = time.perf_counter()
-    for _ in range(periods):
-        ctl.record(1000, 100)
-        ctl.step()
-    control_us = (time.perf_counter() - t) / periods * 1e6
+    control = timed_periods(ctl, periods, lambda: ctl.record(1000, 100))
 
-    # the same with wset, which reads every agent's context each period (O(n log n))
+    # the same with wset, which reads every agent's context each period
     ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0)
-    t = time.perf_counter()
-    for _ in range(periods):
-        ws.record(1000, 100)
-        ws.step()
-    control_wset_us = (time.perf_counter() - t) / periods * 1e6
-
-    # wset's own update (the policy, given the signals), at n agents half held, half waiting
-    rng = random.Random(0)
-    half_n = n // 2
-    sig = Signals(
-        now=0.0, window=half_n, usage=0.3, hit_rate=0.5, active=half_n, paused=0,
-        pending=n - half_n, finished=0, unfinished=n, capacity_tokens=n * 20_000,
-        held_contexts=tuple(rng.randint(1_000, 30_000) for _ in range(half_n)),
-        waiting_contexts=tuple(rng.randint(1_000, 30_000) for _ in range(n - half_n)),
-        growth_per_step=500.0, recompute_rate=0.1, shared_tokens=1_000,
-    )  # fmt: skip
-    policy = WorkingSet()
-    t = time.perf_counter()
-    for _ in range(periods):
-        policy.update(sig)
-    wset_policy_us = (time.perf_counter() - t) / periods * 1e6
+    control_wset = timed_periods(ws, periods, lambda: ws.record(1000, 100))
 
     # pause + resume cycle: shrink to half (marks n/2), they reach a boundary and wait,
     # then grow back (resumes n/2)
     gate.resize(n)
     await asyncio.sleep(0)
     half = n // 2
-    t = time.perf_counter()
+    t = cpu()
     gate.resize(half)
     waiters = [asyncio.create_task(gate.acquire(k, 1000)) for k in keys]
     await asyncio.sleep(0)
     gate.resize(n)
     await asyncio.gather(*waiters)
-    cycle_us = (time.perf_counter() - t) / half * 1e6
+    cycle_us = (cpu() - t) / half * 1e6
     assert gate.counters.resumes >= half
 
-    t = time.perf_counter()
+    t = cpu()
     for k in keys:
         gate.finish(k)
-    finish_us = (time.perf_counter() - t) / n * 1e6
+    finish_us = (cpu() - t) / n * 1e6
     return {
         "admission_check_hot_us": hot_us,
         "admit_waiting_agent_us": admit_us,
         "pause_resume_cycle_us_per_agent": cycle_us,
-        "control_update_us": control_us,
-        "control_update_wset_us": control_wset_us,
-        "wset_policy_update_us": wset_policy_us,
+        **_named("control_update", control),
+        **_named("control_update_wset", control_wset),
+        **await wset_periods(n, periods),
         "finish_us": finish_us,
     }
 
@@ -149,18 +240,61 @@ def deployment_steps() -> dict[str, float]:
     return out
 
 
+def measure(code: Path, agents: int) -> dict[str, float]:
+    """One run of gate_costs in a fresh process, importing `runner` from `code`."""
+    env = {**os.environ, CODE_ENV: str(code)}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--agents", str(agents)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def baseline_code(ref: str, into: Path) -> Path:
+    """The `runner` package as it is at git `ref`, extracted under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "runner"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=10_000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also measure the gate at this git ref, interleaved with this code (same load)",
+    )
     p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    runs = [asyncio.run(gate_costs(args.agents)) for _ in range(args.repeats)]
-    gate = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if args.child:
+        print(json.dumps(asyncio.run(gate_costs(args.agents))))
+        return
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"current": ROOT}
+        if args.baseline:
+            sides["baseline"] = baseline_code(args.baseline, Path(tmp))
+        runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        for _ in range(args.repeats):  # interleaved: both sides see the same load
+            for side, code in sides.items():
+                runs[side].append(measure(code, args.agents))
+    med = {
+        side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()
+    }
+    gate = med["current"]
     engine = None if args.no_engine else asyncio.run(engine_step_seconds())
-    print(f"gate with {args.agents} agents (median of {args.repeats} runs):")
+    steps = deployment_steps()
+    fastest = min(steps.values())
+    mid = steps["qwen3-32b-tp8_decode_64x16k_us"]
+    print(f"gate with {args.agents} agents (median of {args.repeats} runs, one process each):")
+    base = med.get("baseline")
     for k, v in gate.items():
-        print(f"  {k:36s} {v:10.2f} us")
+        unit = "us" if "_us" in k else "  "
+        before = f"   before {base[k]:10.2f} {unit} ({base[k] / v:5.1f}x)" if base else ""
+        print(f"  {k:44s} {v:10.2f} {unit}{before}")
     if engine:
         warm_us = engine["warm_step_s"] * 1e6
         print(
@@ -170,41 +304,34 @@ def main() -> None:
         )
         print(
             f"  hot admission check = {gate['admission_check_hot_us'] / warm_us:.2e} of a "
-            f"warm engine step; control update = "
-            f"{gate['control_update_us'] / warm_us:.2e} of one"
+            f"warm engine step; control update = {gate['control_update_us'] / warm_us:.2e}"
         )
-    steps = deployment_steps()
-    fastest = min(steps.values())
-    print(f"one engine step of the simulated deployments: {fastest:.0f} us at the fastest")
-    for k in ("control_update_wset_us", "wset_policy_update_us", "control_update_us"):
-        print(f"  {k:36s} = {gate[k] / fastest:.2%} of the fastest step")
+    print(
+        f"one engine step of the simulated deployments: {fastest:.0f} us at the fastest "
+        f"(Qwen TP8, 1 request at 1K), {mid:.0f} us mid-run (64 requests at 16K)"
+    )
+    shares = {}
+    for k in PERIODS:
+        shares[k] = {"fastest_step": gate[k] / fastest, "mid_run_step": gate[k] / mid}
+        print(f"  {k:44s} = {gate[k] / fastest:.2%} of the fastest, {gate[k] / mid:.2%} mid-run")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "gate.json"
-    out.write_text(
-        json.dumps(
-            {
-                "agents": args.agents,
-                "repeats": args.repeats,
-                "gate_us": gate,
-                "engine": engine,
-                "deployment_step_us": steps,
-                "share_of_fastest_step": {
-                    k: gate[k] / fastest
-                    for k in (
-                        "control_update_us",
-                        "control_update_wset_us",
-                        "wset_policy_update_us",
-                    )
-                },
-                "python": platform.python_version(),
-                "machine": platform.machine(),
-                "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates us
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    record = {
+        "agents": args.agents,
+        "repeats": args.repeats,
+        "gate_us": gate,
+        **({"baseline": {"ref": args.baseline, "gate_us": base}} if base else {}),
+        "engine": engine,
+        "deployment_step_us": steps,
+        "share_of_step": shares,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        # other work on the machine inflates every figure; before and after the measurements
+        "load_average_1min": [load_before[0], os.getloadavg()[0]],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
 

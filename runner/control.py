@@ -9,6 +9,7 @@ cannot take its decrease branch on it (a cut needs measured thrashing).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import statistics
 from collections.abc import Awaitable, Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 from .engine import CacheStats
 from .gate import ControlledGate
-from .policies import Policy, Signals
+from .policies import ContextList, Policy, Signals
 from .ranked_gate import RankedGate
 
 log = logging.getLogger("concur")
@@ -67,7 +68,7 @@ class Controller:
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self.rank = rank  # the data-parallel rank this controller steers, if any
         self._tally = PeriodTally()
-        self._first_cached: list[int] = []
+        self._first_cached: list[int] = []  # sorted: its median is read every period
         self._t0: float | None = None
         self.stats = ControlStats(windows=[gate.window])
 
@@ -82,7 +83,7 @@ class Controller:
         self._tally.recomputed += max(0, prompt_tokens - cached_tokens - fresh_tokens)
         if fresh_tokens >= prompt_tokens and len(self._first_cached) < 1000:
             # an agent's first request: what it found cached is the prefix agents share
-            self._first_cached.append(cached_tokens)
+            bisect.insort(self._first_cached, cached_tokens)
 
     def step(self) -> dict[str, Any]:
         """One control period: signals -> policy -> gate. Returns the logged line."""
@@ -93,7 +94,7 @@ class Controller:
         tally, self._tally = self._tally, PeriodTally()
         c = self.gate.counts()
         before = self.gate.window
-        held, waiting = self.gate.contexts() if self.policy.wants_contexts else ((), ())
+        contexts = self.gate.contexts() if self.policy.wants_contexts else ContextList()
         sig = Signals(
             now=now,
             window=before,
@@ -107,13 +108,10 @@ class Controller:
             capacity_tokens=cache.capacity_tokens,
             host_capacity_tokens=cache.host_capacity_tokens,
             host_reload_cost=cache.host_reload_cost,
-            held_contexts=held,
-            waiting_contexts=waiting,
+            contexts=contexts,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
-            shared_tokens=(
-                statistics.median_low(self._first_cached) if self._first_cached else None
-            ),
+            shared_tokens=self._shared_tokens(),
         )
         decision = self.policy.update(sig)
         after = self.gate.resize(decision.window)
@@ -155,6 +153,11 @@ class Controller:
         if self.on_line is not None:
             await self.on_line(line)
         return line
+
+    def _shared_tokens(self) -> int | None:
+        """The median (low) of what agents' first requests found cached."""
+        first = self._first_cached
+        return first[(len(first) - 1) // 2] if first else None
 
     async def run(self) -> None:
         """Runs until cancelled (or the run folder fails: see tick)."""

@@ -21,10 +21,12 @@ States of an agent:
   then admits pending ones, in the orders the chosen rules give (documented in PAUSE_RULES
   and RESUME_RULES; pending agents are admitted in task order).
 - Waiting is one future per agent; a slot granted to a waiter that got cancelled is passed on.
-- What an agent does at a step boundary (acquire while admitted, done_request, finish) and
-  admitting a waiter are O(log n): heaps for the waiters, counts kept incrementally. Resizing
-  sorts the holders it pauses or unmarks, and `contexts()` sorts every agent: O(n log n), once
-  per control period. `bench/gate_bench.py` measures both with 10,000 agents.
+- The hot path (acquire while admitted) is O(1); done_request, finish and admitting a waiter
+  are O(log n): heaps for the waiters, counts kept incrementally, and every agent kept in the
+  order the policies read (runner/gate_order.py: the contexts' running totals, updated as
+  they change). So a control period sorts nothing: `contexts()` is a view, resizing touches
+  only the agents it pauses or unmarks (the pause rules by context select from the active
+  agents: O(n), those two rules only). `bench/gate_bench.py` measures it with 10,000 agents.
 
 Two interfaces: `AdmissionGate` is what the agent loop and the batch use (a `Gate`, or the
 per-rank `RankedGate`); `ControlledGate` is what a controller steers (a `Gate`, or one rank's
@@ -34,13 +36,14 @@ per-rank `RankedGate`); `ControlledGate` is what a controller steers (a `Gate`, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
+
+from .gate_order import UNPLACED, Block, ContextsView, KeepOrder
 
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
@@ -96,7 +99,7 @@ class ControlledGate(Protocol):
 
     def counts(self) -> dict[str, int]: ...
 
-    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+    def contexts(self) -> ContextsView: ...
 
     def growth_per_step(self) -> float | None: ...
 
@@ -105,7 +108,7 @@ class ControlledGate(Protocol):
     def wait_totals(self) -> tuple[float, float]: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Agent:
     key: str
     order: int  # queue position among pending agents (task order, then re-queue order)
@@ -118,6 +121,8 @@ class _Agent:
     paused_seconds: float = 0.0
     pending_seconds: float = 0.0
     ever_admitted: bool = False
+    block: Block = UNPLACED  # its place in the keep order (gate_order.py), if it has one
+    sort_key: Any = None
 
 
 @dataclass
@@ -154,8 +159,7 @@ class Gate:
         self._last_now = 0.0
         self._agents: dict[str, _Agent] = {}
         self._n: Counter[str] = Counter()  # agents per state
-        self._active: dict[str, _Agent] = {}
-        self._marked: dict[str, _Agent] = {}
+        self._keep = KeepOrder()  # holders and waiters in the order the policies read
         self._paused_q: list[tuple[float, int, str]] = []  # waiting at a boundary
         self._pending_q: list[tuple[int, str]] = []  # waiting for a first (or next) slot
         self._order = itertools.count()
@@ -176,14 +180,29 @@ class Gate:
 
     async def acquire(self, key: str, context_tokens: int = 0) -> None:
         """Return when `key` may send its next request. Each call is a step boundary."""
-        self.register(key)
-        a = self._agents[key]
-        if a.context and context_tokens > a.context:  # one step's growth: reply + observation
-            self._growth_steps += 1
-            self._growth_tokens += context_tokens - a.context
+        try:
+            a = self._agents[key]
+        except KeyError:  # not announced: register it now
+            self.register(key)
+            a = self._agents[key]
+        old = a.context
         a.context = context_tokens
-        if a.state == "active":
-            return  # the hot path: an admitted agent between steps
+        if a.state == "active":  # the hot path: an admitted agent between steps
+            a.block.total += context_tokens - old  # its block's running total, in O(1)
+            if context_tokens > old:
+                if old:  # one step's growth: reply + observation
+                    self._growth_steps += 1
+                    self._growth_tokens += context_tokens - old
+            elif context_tokens < a.block.low:  # a context that shrank (rare)
+                a.block.low = context_tokens
+            return
+        if context_tokens > old and old:
+            self._growth_steps += 1
+            self._growth_tokens += context_tokens - old
+        seg = a.block.segment
+        if seg is not None:  # a marked agent leaves its place (with its new context)
+            a.block.total += context_tokens - old
+            seg.remove(a)
         if a.state == "done":
             raise RuntimeError(f"agent {key!r} acquired the gate after finishing")
         now = self._clock()
@@ -203,6 +222,8 @@ class Gate:
             heapq.heappush(self._pending_q, (a.order, key))
         try:
             self._fill()  # may grant this very agent
+            if a.block is UNPLACED:  # still waiting: it takes its place among the waiters
+                self._place_waiter(a)
             await a.waiter
         except asyncio.CancelledError:
             if a.state in HOLDING:  # granted just as we were cancelled: pass the slot on
@@ -211,6 +232,8 @@ class Gate:
             raise
         finally:
             a.waiter = None
+            if a.state in ("paused", "pending"):  # cancelled while waiting: no longer waits
+                self._keep.remove(a)
 
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
@@ -248,9 +271,9 @@ class Gate:
         if bound is None:
             bound = len(self._agents) - self._n["done"] + self._coming()
         self._window = max(1, min(window, max(1, bound)))
-        excess = len(self._active) - self._window
+        excess = self._n["active"] - self._window
         if excess > 0:
-            for a in self._pause_order(list(self._active.values()))[:excess]:
+            for a in self._pause_order(excess):
                 self._move(a, "marked")
                 self.counters.events.append(("marked", a.key))
         self._fill()
@@ -273,22 +296,13 @@ class Gate:
             return "pending"
         return {"marked": "active"}.get(a.state, a.state)  # marked: active until its boundary
 
-    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def contexts(self) -> ContextsView:
         """Context tokens of the agents that hold a slot, in the order they keep it (oldest
-        admitted first; marked ones last), and of the agents waiting at the gate, in the order
-        they would get one (paused agents by the resume rule, then pending in task order).
-        A policy can fit a window to memory with them. O(n log n): once per period."""
-        held = sorted(self._active.values(), key=lambda a: a.admitted_seq)
-        held += sorted(self._marked.values(), key=lambda a: a.admitted_seq)
-        waiting = sorted(
-            (a for a in self._agents.values() if a.state == "paused" and a.waiter is not None),
-            key=self._resume_key,
-        )
-        waiting += sorted(
-            (a for a in self._agents.values() if a.state == "pending" and a.waiter is not None),
-            key=lambda a: a.order,
-        )
-        return tuple(a.context for a in held), tuple(a.context for a in waiting)
+        admitted first; marked ones last), then of the agents waiting at the gate, in the
+        order they would get one (paused agents by the resume rule, then pending in task
+        order). A policy can fit a window to memory with them. A live view of running totals
+        the gate keeps (gate_order.py): O(1) to get, no sort."""
+        return ContextsView(self._keep)
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]
@@ -322,27 +336,44 @@ class Gate:
 
     def _clock(self) -> float:
         """Loop time; after the loop has closed (final summary), the last time seen."""
-        with contextlib.suppress(RuntimeError):
-            self._last_now = self._clock_fn()
-        return self._last_now
+        try:  # not contextlib.suppress: this runs at every admission, and try is cheaper
+            now = self._clock_fn()
+        except RuntimeError:
+            return self._last_now
+        self._last_now = now
+        return now
 
     def _move(self, a: _Agent, state: str) -> None:
-        self._n[a.state] -= 1
-        self._n[state] += 1
-        self._active.pop(a.key, None)
-        self._marked.pop(a.key, None)
-        if state == "active":
-            self._active[a.key] = a
-        elif state == "marked":
-            self._marked[a.key] = a
+        """Change `a`'s state; a holder takes its place in the keep order (by admission)."""
+        n = self._n
+        n[a.state] -= 1
+        n[state] += 1
+        seg = a.block.segment
+        if seg is not None:
+            seg.remove(a)
         a.state = state
+        if state == "active":
+            self._keep.active.add(a, a.admitted_seq)
+        elif state == "marked":
+            self._keep.marked.add(a, a.admitted_seq)
 
-    def _pause_order(self, running: list[_Agent]) -> list[_Agent]:
+    def _place_waiter(self, a: _Agent) -> None:
+        """A waiter (an agent inside acquire that holds no slot) takes its place in the order
+        it would get one. Registered agents that never asked, idle and finished ones have
+        none."""
+        if a.state == "paused":
+            self._keep.paused.add(a, self._resume_key(a))
+        elif a.state == "pending":
+            self._keep.pending.add(a, a.order)
+
+    def _pause_order(self, excess: int) -> list[_Agent]:
+        """The `excess` active agents to mark, in the order the pause rule gives."""
+        active = self._keep.active
         if self.pause_rule == "shortest":
-            return sorted(running, key=lambda a: (a.context, -a.admitted_seq))
+            return heapq.nsmallest(excess, active, key=lambda a: (a.context, -a.admitted_seq))
         if self.pause_rule == "longest":
-            return sorted(running, key=lambda a: (-a.context, -a.admitted_seq))
-        return sorted(running, key=lambda a: -a.admitted_seq)
+            return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
+        return active.last(excess)  # newest admitted first
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
         if self.resume_rule == "longest":
@@ -366,21 +397,29 @@ class Gate:
     def _fill(self) -> None:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
-        if room > 0 and self._marked:
-            for m in sorted(self._marked.values(), key=lambda m: m.admitted_seq)[:room]:
+        if room > 0 and self._n["marked"]:
+            for m in self._keep.marked.first(room):  # oldest admitted first
                 self._move(m, "active")
                 self.counters.events.append(("unmarked", m.key))
         # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
-        while self.holders() < self._window:
-            a = self._pop_waiter(self._paused_q, "paused") or self._pop_waiter(
-                self._pending_q, "pending"
-            )
+        n, now = self._n, None
+        while n["active"] + n["marked"] < self._window:
+            a = self._next_waiter()
             if a is None:
                 break
-            self._grant(a)
+            if now is None:  # one reading for all the agents let in at this instant
+                now = self._clock()
+            self._grant(a, now)
 
-    def _grant(self, a: _Agent) -> None:
-        now = self._clock()
+    def _next_waiter(self) -> _Agent | None:
+        """The next agent to get a slot: a paused one first, then a pending one."""
+        if self._paused_q:
+            a = self._pop_waiter(self._paused_q, "paused")
+            if a is not None:
+                return a
+        return self._pop_waiter(self._pending_q, "pending") if self._pending_q else None
+
+    def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":
             a.paused_seconds += now - (a.paused_since or now)
             a.paused_since = None
@@ -392,7 +431,7 @@ class Gate:
                 self.counters.events.append(("admitted", a.key))
             a.ever_admitted = True
         a.wait_since = None
+        a.admitted_seq = next(self._admit_seq)  # before the move: its place among holders
         self._move(a, "active")
-        a.admitted_seq = next(self._admit_seq)
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)

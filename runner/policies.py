@@ -14,10 +14,74 @@ import itertools
 import math
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 Unit = Literal["agent", "request"]
+
+
+class Contexts(Protocol):
+    """Every agent's context (tokens) in the gate's order: the slot holders first, in the
+    order they keep their slots, then the waiting agents, in the order they would get one.
+    The gate hands a live view of running totals it keeps (runner/gate_order.py): `fit` and
+    `total` sort nothing and read per-block sums (microseconds at 10,000 agents); iterating
+    is O(n). `ContextList` is the plain version over two tuples."""
+
+    @property
+    def held(self) -> int:
+        """How many of the first agents hold a slot (the rest wait)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[int]: ...
+
+    def total(self, k: int) -> int:
+        """The sum of the first k contexts."""
+        ...
+
+    def fit(self, budget: float, extra: float = 0.0, shared: int = 0) -> int:
+        """How many of the first agents, in order, fit `budget` when each counts
+        max(0, context - shared) + extra tokens (`extra` >= 0); 0 if `budget` < 0."""
+        ...
+
+
+@dataclass(frozen=True)
+class ContextList:
+    """`Contexts` from two tuples (tests, and the reference the gate's structure is tested
+    against)."""
+
+    held_contexts: tuple[int, ...] = ()
+    waiting_contexts: tuple[int, ...] = ()
+
+    @property
+    def held(self) -> int:
+        return len(self.held_contexts)
+
+    def __len__(self) -> int:
+        return len(self.held_contexts) + len(self.waiting_contexts)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.held_contexts, self.waiting_contexts)
+
+    def total(self, k: int) -> int:
+        return sum(itertools.islice(self, max(0, k)))
+
+    def fit(self, budget: float, extra: float = 0.0, shared: int = 0) -> int:
+        """Each term is max(context, shared) - shared + extra: the running sums of
+        max(context, shared) (itertools.accumulate) and the count found by bisection (every
+        term is >= 0, so the sums are monotone). Where no context is below `shared` this is
+        the same float expression, prefix by prefix, as before the gate kept running totals
+        (sum of contexts + k x (extra - shared)); the gate's view computes it the same way."""
+        if extra < 0:
+            raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
+        if not len(self) or budget < 0:
+            return 0
+        sums = list(itertools.accumulate(max(c, shared) for c in self))
+        per = extra - shared
+        # the number of prefixes (of 1, 2, ... agents) whose total is within the budget
+        return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
 
 
 @dataclass(frozen=True)
@@ -35,8 +99,8 @@ class Signals:
     unfinished: int  # everyone not finished: the upper bound of W
     # Richer signals; None / empty where the engine or the gate cannot tell.
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
-    held_contexts: tuple[int, ...] = ()  # slot holders' contexts, in keep order
-    waiting_contexts: tuple[int, ...] = ()  # waiting agents' contexts, in admission order
+    # every agent's context: slot holders in keep order, then waiting ones in admission order
+    contexts: Contexts = ContextList()
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
     shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
@@ -55,7 +119,8 @@ class Policy(Protocol):
 
     name: ClassVar[str]
     unit: ClassVar[Unit]  # what a slot is held for: a whole agent life, or one request
-    # whether Signals must carry every agent's context (O(n) a period)
+    # whether Signals must carry the agents' contexts (the gate's view: cheap, but only the
+    # policies that read it get it)
     wants_contexts: ClassVar[bool]
 
     def initial_window(self, n_agents: int) -> int: ...
@@ -220,7 +285,7 @@ class WorkingSet:
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
         budget = self.target * self._capacity(s) - shared  # the shared prefix, stored once
-        fit = max(1, _fit(s.held_contexts, s.waiting_contexts, shared, growth, budget))
+        fit = max(1, s.contexts.fit(budget, growth, shared))
         if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
             return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
         return Decision(fit, "fit")
@@ -240,32 +305,6 @@ class WorkingSet:
         d = asdict(self)
         d.pop("fallback")
         return d
-
-
-def _fit(
-    held: tuple[int, ...], waiting: tuple[int, ...], shared: int, growth: float, budget: float
-) -> int:
-    """How many agents, in order, fit `budget` with `max(0, ctx - shared) + growth` each.
-
-    The running sums are taken in C (itertools.accumulate) and the count found by bisection:
-    O(n) C work and O(log n) Python steps a period (bench/gate_bench.py measures it). Every
-    term is >= 0, so the sums are monotone. A context below the shared prefix (where the
-    clamp matters) takes the plain loop."""
-    ctxs = held + waiting
-    if not ctxs or budget < 0:
-        return 0
-    if min(ctxs) < shared:
-        fit = 0
-        for ctx in ctxs:
-            budget -= max(0, ctx - shared) + growth
-            if budget < 0:
-                break
-            fit += 1
-        return fit
-    sums = list(itertools.accumulate(ctxs))
-    per = growth - shared  # each agent's term is ctx - shared + growth
-    # the number of prefixes (of 1, 2, ... agents) whose total is within the budget
-    return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
 
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy

@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Callable
 
 from .gate import Gate, GateCounters
+from .gate_order import ContextsView
 
 
 class RankedGate:
@@ -107,6 +108,8 @@ class RankedGate:
         return g.window - g.holders() - g.waiting()
 
     def _dispatch(self) -> None:
+        if not self._lobby or max(self._room(g) for g in self.gates) <= 0:
+            return  # no rank has room (most calls): the lobby is not scanned
         waiting = [k for k, f in self._lobby.items() if f is not None and not f.done()]
         for key in waiting:
             r = max(range(len(self.gates)), key=lambda i: (self._room(self.gates[i]), -i))
@@ -144,7 +147,7 @@ class RankView:
     def counts(self) -> dict[str, int]:
         return self._gate.counts()
 
-    def contexts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def contexts(self) -> ContextsView:
         return self._gate.contexts()
 
     def growth_per_step(self) -> float | None:

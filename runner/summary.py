@@ -12,6 +12,8 @@ import platform
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from tools.sandbox import limits_in_force
+
 from .engine import Engine, EngineStats
 from .records import evaluated
 from .rewards import pass_at_k
@@ -110,4 +112,6 @@ def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
         },
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
+        # what really bounds the agents here (root/user/none, memory, processes, network)
+        "limits": limits_in_force(batch.sandbox, batch.config.limits),
     }

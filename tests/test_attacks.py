@@ -224,6 +224,9 @@ def test_attacks_contained_in_a_batch(tmp_path: Path, needs_bwrap) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["solved"], summary["evaluated"]) == (1, 2)
     assert summary["engine"]["name"] == "replay" and summary["sandbox"] == "bwrap"
+    limits = summary["limits"]  # root mode: per agent, memory where a cgroup is ours
+    assert (limits["sandbox"], limits["processes"]["per"]) == ("root", "agent")
+    assert limits["memory"]["per"] == ("process" if limits["cgroup"]["kind"] == "none" else "agent")
 
     o = obs(recs["write-outside"])
     assert o[0].count("Read-only file system") + o[0].count("No such file") >= 4

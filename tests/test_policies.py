@@ -3,6 +3,7 @@ import pytest
 from runner.policies import (
     AIMD,
     AgentCap,
+    ContextList,
     NoGate,
     RequestCap,
     Signals,
@@ -118,8 +119,7 @@ def test_fixed_policies():
 def ws_sig(held, waiting, capacity=10_000, window=None, **kw):
     base = dict(
         capacity_tokens=capacity,
-        held_contexts=tuple(held),
-        waiting_contexts=tuple(waiting),
+        contexts=ContextList(tuple(held), tuple(waiting)),
         growth_per_step=0.0,
     )
     base.update(kw)
@@ -223,8 +223,6 @@ def test_wset_fit_is_the_plain_running_sum():
     # also where a context is below the shared prefix (the clamp) or the budget is tiny
     import random
 
-    from runner.policies import _fit
-
     def plain(held, waiting, shared, growth, budget):
         fit = 0
         for ctx in (*held, *waiting):
@@ -238,9 +236,12 @@ def test_wset_fit_is_the_plain_running_sum():
     for _ in range(3000):
         held = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
         waiting = tuple(rng.randint(0, 5000) for _ in range(rng.randint(0, 20)))
-        args = (held, waiting, rng.choice([0, 800]), rng.choice([0.0, 250.0]))
+        shared, growth = rng.choice([0, 800]), rng.choice([0.0, 250.0])
         budget = rng.uniform(-10, 60_000)
-        assert _fit(*args, budget) == plain(*args, budget)
+        got = ContextList(held, waiting).fit(budget, growth, shared)
+        assert got == plain(held, waiting, shared, growth, budget)
+    with pytest.raises(ValueError, match="extra must be >= 0"):
+        ContextList((1,)).fit(10.0, -1.0)
 
 
 def test_wset_swarm_in_warmup_admits_every_agent_that_fits_at_once():

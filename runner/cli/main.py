@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, make_sandbox
+from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, limits_line, make_sandbox
 
 from ..batch import Batch, BatchConfig
 from ..datasets import parse_field_map
@@ -100,6 +100,7 @@ def _main(args: argparse.Namespace) -> int:
         return fail(
             f"--eval-only: {plan.out} holds no trajectories.jsonl; pass the run folder (--out)"
         )
+    fresh = not plan.out.exists()  # a refused start removes the run folder it made
     try:
         store = RunStore(plan.out)
         config = resolved(args)
@@ -120,12 +121,15 @@ def _main(args: argparse.Namespace) -> int:
     try:
         sandbox = plan.sandbox or make_sandbox(args.sandbox)
     except SandboxUnavailable as e:
+        discard_if_new(store, fresh)
         return fail(str(e))
+    log.info("%s", limits_line(sandbox, plan.config.limits))
     if args.eval_only:
         return eval_only(plan.tasks, store, sandbox, plan.config)
     try:
         setup = plan.setup or ENGINES[args.engine](args, plan.tasks)
     except Exception as e:  # any failure to start is the user's to see, with its type
+        discard_if_new(store, fresh)
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
     problem = sampling_problem(args, plan, setup)
     if problem:
@@ -363,6 +367,17 @@ def setup_logging(path: Path, quiet: bool) -> None:
     f.setFormatter(fmt)
     root.addHandler(err)
     root.addHandler(f)
+
+
+def discard_if_new(store: RunStore, fresh: bool) -> None:
+    """A start refused before any agent ran leaves no run folder it made itself."""
+    if not fresh:
+        return
+    for h in logging.getLogger("concur").handlers[:]:
+        if isinstance(h, logging.FileHandler):  # run.log is in the folder
+            logging.getLogger("concur").removeHandler(h)
+            h.close()
+    shutil.rmtree(store.root, ignore_errors=True)
 
 
 def fail(msg: str) -> int:

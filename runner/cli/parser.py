@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tools.registry import DEFAULT_TOOLS
 from tools.registry import REGISTRY as TOOL_REGISTRY
-from tools.sandbox import Limits
+from tools.sandbox import MODES, Limits
 
 from ..batch import BatchConfig
 from ..control import DEFAULT_CONTROL_PERIOD
@@ -251,8 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sandbox",
         default="bwrap",
-        choices=["bwrap", "none"],
-        help="none: NO isolation (rlimits only); only for trusted tasks and models",
+        choices=list(MODES),
+        help="bwrap: bubblewrap, root mode as root (a uid per agent), user mode otherwise "
+        "(an unprivileged user namespace per command); bwrap-root / bwrap-user: that mode or "
+        "an error; none: NO isolation (rlimits only); only for trusted tasks and models",
     )
     g.add_argument(
         "--tool-timeout", type=float, default=Limits.timeout_s, help="seconds per tool call"

@@ -1,10 +1,14 @@
 """The command line a sandboxed command runs under: the wrappers every mode puts in front of
-it (memory cgroup, `prlimit`, `setpriv` to the agent's uid), bubblewrap's flags and the
-environment inside, and the startup probe that runs one real command with them.
+it (the agent's cgroup, `prlimit`, `setpriv`), bubblewrap's flags and the environment inside,
+and the startup probe that runs one real command with them.
 
-bwrap is started *as the agent's uid* (never as root: a root-started bwrap could remount /
-read-write), all namespaces unshared, a read-only view of /usr and a few /etc files, the
-workspace bound read-write at /work, private size-limited tmpfs mounts for /tmp and /dev/shm.
+bwrap is never started as root (a root-started bwrap could remount / read-write): root mode
+starts it *as the agent's uid* (setpriv), user mode (an ordinary user) as the user itself, in
+an unprivileged user namespace as Flatpak does. All namespaces unshared, a read-only view of
+/usr and a few /etc files, the workspace bound read-write at /work, private size-limited
+tmpfs mounts for /tmp and /dev/shm. RLIMIT_NPROC counts per (user namespace, uid) since Linux
+5.14, so in user mode it is set inside the sandbox (an inner `prlimit`), where it bounds that
+sandbox alone; set outside, it would count every sandbox of the user together.
 No `preexec_fn`/`user=`: plain fork+exec of small wrappers.
 """
 
@@ -15,14 +19,17 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .cgroups import cgroup_prefix
 from .filesystem import prepare_tree
 from .limits import PROBE_UID, Limits, SandboxUnavailable
+from .reaper import MARK
 
 BASH = "/usr/bin/bash"
 INNER_PATH = "/usr/local/bin:/usr/bin:/bin"
+INNER_PRLIMIT = "/usr/bin/prlimit"  # user mode: sets RLIMIT_NPROC inside (/usr is bound)
 # Where the wrappers are looked up: a fixed list, so the caller's PATH cannot pick them.
 _TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -63,12 +70,13 @@ def which(name: str) -> str | None:
     return shutil.which(name, path=_TOOL_PATH)
 
 
-def host_wrappers() -> tuple[str, str]:
-    """(prlimit, setpriv): the wrappers every mode needs, and the root they need."""
-    if os.geteuid() != 0:
+def host_wrappers(user: bool = False) -> tuple[str, str]:
+    """(prlimit, setpriv): the wrappers every mode needs; root mode needs root as well."""
+    if not user and os.geteuid() != 0:
         raise SandboxUnavailable(
-            "the sandbox must be started as root: it drops every command to a per-agent "
-            "uid with setpriv (CAP_SETUID needed). Run the runner as root."
+            "--sandbox bwrap-root must be started as root: it drops every command to a "
+            "per-agent uid with setpriv (CAP_SETUID needed). As an ordinary user, "
+            "--sandbox bwrap (the default) runs each command in an unprivileged user namespace"
         )
     prlimit, setpriv = which("prlimit"), which("setpriv")
     missing = [n for n, p in (("prlimit", prlimit), ("setpriv", setpriv)) if p is None]
@@ -87,13 +95,14 @@ def find_bwrap() -> str:
     return bwrap
 
 
-def prlimit_argv(prlimit: str, limits: Limits) -> list[str]:
-    # soft == hard, so the sandboxed code cannot raise them back.
+def prlimit_argv(prlimit: str, limits: Limits, nproc: bool = True) -> list[str]:
+    # soft == hard, so the sandboxed code cannot raise them back. Not `nproc` where the uid
+    # is the user's own: RLIMIT_NPROC would count all of the user's processes together.
     return [
         prlimit,
         f"--data={limits.data_bytes}",
         f"--cpu={limits.cpu_s}",
-        f"--nproc={limits.nproc}",
+        *([f"--nproc={limits.nproc}"] if nproc else []),
         f"--fsize={limits.fsize_bytes}",
         f"--nofile={limits.nofile}",
         "--core=0",  # no core dumps landing in the workspace
@@ -101,26 +110,32 @@ def prlimit_argv(prlimit: str, limits: Limits) -> list[str]:
     ]
 
 
-def setpriv_argv(setpriv: str, uid: int) -> list[str]:
+def setpriv_argv(setpriv: str, uid: int | None) -> list[str]:
     # pdeathsig: if this Python process dies, the wrapped command (bwrap) is killed too.
-    return [
-        setpriv,
-        f"--reuid={uid}",
-        f"--regid={uid}",
-        "--clear-groups",
-        "--pdeathsig=KILL",
-        "--",
-    ]
+    # uid None: stay the user we are (user mode; no uid switch is possible).
+    switch = [] if uid is None else [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return [setpriv, *switch, "--pdeathsig=KILL", "--"]
 
 
-def inner_env(home: str) -> dict[str, str]:
+def inner_env(home: str, mark: str | None = None) -> dict[str, str]:
     return {
         "PATH": INNER_PATH,
         "HOME": home,  # git and friends want a writable HOME; the workspace is the only one
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "TMPDIR": "/tmp",
+        **({MARK: mark} if mark else {}),  # how the reaper finds a dead run's leftovers
     }
+
+
+@dataclass(frozen=True)
+class Wrapping:
+    """How commands are wrapped: `user` mode (bwrap as the user itself; no uid switch, no
+    chown), RLIMIT_NPROC set inside each sandbox (`nproc_inside`), the run `mark`."""
+
+    user: bool = False
+    nproc_inside: bool = False
+    mark: str | None = None
 
 
 def bwrap_argv(
@@ -132,20 +147,25 @@ def bwrap_argv(
     limits: Limits,
     info_fd: int | None,
     workdir: str = "/work",
+    how: Wrapping = Wrapping(),
+    inner_nproc: int | None = None,
 ) -> list[str]:
     """The whole command line of one sandboxed `bash -c command`. It starts in "/"; the
-    command's cwd comes from --chdir."""
+    command's cwd comes from --chdir. `inner_nproc`: the probe's RLIMIT_NPROC inside, instead
+    of the limits' (which also size the agent's pids cgroup)."""
     prlimit, setpriv = wrappers
     argv = [
         *cgroup_prefix(uid, limits),
-        *prlimit_argv(prlimit, limits),
-        *setpriv_argv(setpriv, uid),
+        *prlimit_argv(prlimit, limits, nproc=not how.user),
+        *setpriv_argv(setpriv, None if how.user else uid),
         bwrap,
-        *bwrap_flags(workspace, limits, workdir, inner_env(workdir)),
+        *bwrap_flags(workspace, limits, workdir, inner_env(workdir, how.mark)),
     ]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
-    return [*argv, "--", BASH, "-c", command]
+    nproc = inner_nproc or limits.nproc
+    inner = [INNER_PRLIMIT, f"--nproc={nproc}", "--"] if how.nproc_inside else []
+    return [*argv, "--", *inner, BASH, "-c", command]
 
 
 def bwrap_flags(workspace: Path, limits: Limits, workdir: str, env: dict[str, str]) -> list[str]:
@@ -201,13 +221,25 @@ def unavailable_message(reason: str) -> str:
     )
 
 
-def probe_bwrap() -> str | None:
-    """Run a tiny real sandboxed command, as an unprivileged uid with the production flags.
-    None if it works, else the reason."""
+def prepare_own_tree(workspace: Path) -> None:
+    """User mode: mkdir -p, mode 0700; the files are the user's already (no chown)."""
+    workspace = Path(workspace).resolve()
+    workspace.mkdir(parents=True, exist_ok=True)
+    os.chmod(workspace, 0o700)
+
+
+def probe_bwrap(how: Wrapping | None = None) -> str | None:
+    """Run a tiny real sandboxed command with the production flags: root mode as an
+    unprivileged uid, user mode as the user. None if it works, else the reason. With
+    `nproc_inside` the command runs under RLIMIT_NPROC 2 and still forks (`touch`): that
+    holds only where the kernel counts the limit per user namespace (Linux >= 5.14)."""
+    how = how or Wrapping(user=os.geteuid() != 0)
     try:
-        wrappers, bwrap = host_wrappers(), find_bwrap()
+        wrappers, bwrap = host_wrappers(how.user), find_bwrap()
     except SandboxUnavailable as e:
         return str(e)  # already says what is missing and how to fix it
+    if how.nproc_inside and not os.access(INNER_PRLIMIT, os.X_OK):
+        return f"{INNER_PRLIMIT} is missing (apt-get install -y util-linux)"
     # /tmp rather than $TMPDIR: the probe uid must be able to reach the directory.
     tmp = Path(
         tempfile.mkdtemp(prefix="sandbox-probe-", dir="/tmp" if os.path.isdir("/tmp") else None)
@@ -215,9 +247,11 @@ def probe_bwrap() -> str | None:
     try:
         os.chmod(tmp, 0o711)
         ws = tmp / "ws"
-        prepare_tree(ws, PROBE_UID)
+        prepare_own_tree(ws) if how.user else prepare_tree(ws, PROBE_UID)
         check = 'test "$PWD" = /work && touch /work/probe && ! touch /etc/probe 2>/dev/null'
-        argv = bwrap_argv(wrappers, bwrap, check, ws, PROBE_UID, Limits(), None)
+        argv = bwrap_argv(
+            wrappers, bwrap, check, ws, PROBE_UID, Limits(), None, how=how, inner_nproc=2
+        )
         return _run_probe(argv, ws)
     except OSError as e:
         return f"sandbox probe failed: {e}"

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from .bwrap import INNER_PATH
@@ -152,13 +152,13 @@ class Run:
         uid: int,
         cap: int,
         info_fd: int | None,
-        sweep_argv: list[str] | None,
+        sweep: Callable[[], Awaitable[None]] | None,
     ) -> None:
         self.loop = loop
         self.proc = proc
         self.pid = proc.pid
         self.uid = uid
-        self.sweep_argv = sweep_argv
+        self.sweep = sweep
         self.killed = False
         self.finish_task: asyncio.Task[None] | None = None
         self.out_done: asyncio.Future[None] = loop.create_future()
@@ -349,8 +349,8 @@ class Run:
         # (the zombie pins the pgid), then every process of the uid, setsid escapees too.
         self.killpg()
         self.proc.wait()
-        if self.sweep_argv is not None and _INFLIGHT[self.uid] <= 1:
-            await _sweep_uid(self.sweep_argv)
+        if self.sweep is not None and _INFLIGHT[self.uid] <= 1:
+            await self.sweep()
         # bwrap exits only after its pid 1 (and so the whole namespace) is gone: immediate.
         if self.ns_pidfd is not None and not await _wait_readable(self.ns_pidfd, _KILL_GRACE_S):
             log.warning("sandbox of uid %d: pid namespace outlived bwrap", self.uid)
@@ -379,7 +379,7 @@ class Run:
             self.out_done.set_result(None)
 
 
-async def _sweep_uid(argv: list[str]) -> None:
+async def sweep_uid(argv: list[str]) -> None:
     """Run `kill -KILL -1` as the uid: kills every process of that uid (but itself), including
     those that left the process group with setsid. Once more if it found some, for a process
     forked during the first pass (a task with SIGKILL pending cannot fork, so this suffices);

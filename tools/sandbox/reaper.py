@@ -6,8 +6,10 @@ leaves that child orphaned, in its own namespaces, for good (and in the runner's
 that stays too). So the batch starts this reaper (in its own session: a terminal's Ctrl-C
 does not reach it) with the read end of a pipe only the runner writes to. When the runner
 ends cleanly it says "done" first and the reaper just exits. When the runner dies, the read
-gets EOF without "done": the reaper SIGKILLs every process of the run's leased uids and of
-its cgroup (until none is left), removes its live-workspace folder and cgroup, and exits.
+gets EOF without "done": the reaper SIGKILLs every process of the run's leased uids (root),
+of its cgroup, and those carrying its run mark with what shares their pid namespace (an
+ordinary user's run: agents run as the user's own uid), until none is left, removes its
+live-workspace folder and cgroup, and exits.
 It inherits the run's uid-lease locks, so those uids are not leased again before it is
 through.
 
@@ -22,10 +24,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 DONE = b"done"
+# Every sandboxed command of a run carries MARK=<run mark> in its environment (outside bwrap
+# and inside): how a non-root run finds its own leftovers among the user's other processes.
+MARK = "CONCUR_RUN"
+AGENT_MARK = "CONCUR_AGENT"  # mode "none" as a user: which agent a process belongs to
 
 
 def process_uids() -> Iterable[tuple[int, int]]:
@@ -56,9 +62,78 @@ def kill_uid_processes(uids: Iterable[range]) -> int:
     return killed
 
 
-def kill_cgroup(root: Path) -> int:
-    """SIGKILL every process in the cgroup tree under `root`, then remove its groups."""
+def run_mark(pid: int | None = None) -> str:
+    """The mark of a runner process: its pid and start time (a reused pid has another)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{_start_time(pid)}"
+
+
+def mark_alive(mark: str) -> bool:
+    """Is the runner that made `mark` still running?"""
+    pid, _, start = mark.partition(".")
+    return pid.isdigit() and _start_time(int(pid)) == start
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(v.partition(b"=")[::2] for v in f.read().split(b"\0") if v)
+    except OSError:
+        return {}
+
+
+def _pid_ns(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return ""
+
+
+def marked_processes(want: Callable[[dict[bytes, bytes]], bool]) -> set[int]:
+    """Processes of our own uid whose environment `want`s, and every process of our uid that
+    shares a pid namespace (not ours) with one: a sandbox's pid 1 is marked, so whatever runs
+    in its namespace goes with it even if it cleared its own environment."""
+    me, own_ns = os.getuid(), _pid_ns(os.getpid())
+    mine = [pid for pid, uid in process_uids() if uid == me and pid != os.getpid()]
+    marked = {pid for pid in mine if want(_environ(pid))}
+    spaces = {_pid_ns(pid) for pid in marked} - {own_ns, ""}
+    return marked | {pid for pid in mine if _pid_ns(pid) in spaces}
+
+
+def kill_marked(want: Callable[[dict[bytes, bytes]], bool]) -> int:
+    """SIGKILL what `marked_processes` finds (zombies aside); -> how many."""
     killed = 0
+    for pid in marked_processes(want):
+        if not _zombie(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def of_run(mark: str) -> Callable[[dict[bytes, bytes]], bool]:
+    return lambda env: env.get(MARK.encode()) == mark.encode()
+
+
+def of_dead_run(env: dict[bytes, bytes]) -> bool:
+    mark = env.get(MARK.encode())
+    return mark is not None and not mark_alive(mark.decode(errors="replace"))
+
+
+def kill_cgroup(root: Path) -> int:
+    """SIGKILL every process in the cgroup tree under `root` (cgroup v2: one write to
+    cgroup.kill; also each listed pid, for v1 and for kernels without cgroup.kill)."""
+    killed = 0
+    with contextlib.suppress(OSError):
+        (root / "cgroup.kill").write_text("1")
     for procs in root.rglob("cgroup.procs"):
         with contextlib.suppress(OSError):
             for pid in procs.read_text().split():
@@ -84,25 +159,38 @@ def _zombie(pid: int) -> bool:
         return True  # gone
 
 
-def clean_up(uids: list[range], cgroup: Path | None, workspaces: Path | None) -> None:
+def clean_up(
+    uids: list[range], cgroup: Path | None, workspaces: Path | None, mark: str | None = None
+) -> None:
     """Kill until nothing is left (a process may fork while the first pass runs), then
     remove the folders. Bounded: a process in uninterruptible sleep must not hang us."""
     for _ in range(50):
         n = kill_uid_processes(uids) if uids else 0
+        n += kill_marked(of_run(mark)) if mark else 0
         n += kill_cgroup(cgroup) if cgroup is not None and cgroup.exists() else 0
         if n == 0:
             break
         time.sleep(0.05)
     if workspaces is not None and workspaces.exists():
-        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workspaces)], check=False)
+        remove_folder(workspaces)
     if cgroup is not None and cgroup.exists():
         remove_cgroup(cgroup)
 
 
+def remove_folder(path: Path) -> bool:
+    """rm -rf that never follows links nor leaves the filesystem; not root, a directory an
+    agent made unreadable (chmod 000) is made ours again first (chmod -R skips links)."""
+    argv = ["rm", "-rf", "--one-file-system", "--", str(path)]
+    if subprocess.run(argv, capture_output=True, check=False).returncode == 0:
+        return True
+    subprocess.run(["chmod", "-R", "u+rwx", "--", str(path)], capture_output=True, check=False)
+    return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
 def main(argv: list[str]) -> int:
-    """argv: PIPE_FD UID_RANGES CGROUP WORKSPACES; UID_RANGES "first-end,..." (end
+    """argv: PIPE_FD UID_RANGES CGROUP WORKSPACES MARK; UID_RANGES "first-end,..." (end
     excluded); '-': none."""
-    fd, ranges, cgroup, workspaces = argv
+    fd, ranges, cgroup, workspaces, mark = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe decides
     got = b""
     while True:
@@ -121,6 +209,7 @@ def main(argv: list[str]) -> int:
         else [],
         Path(cgroup) if cgroup != "-" else None,
         Path(workspaces) if workspaces != "-" else None,
+        mark if mark != "-" else None,
     )
     return 0
 
@@ -130,9 +219,9 @@ if __name__ == "__main__":
 
 
 class Reaper:
-    """The runner's side: start it with the run's uid ranges, cgroup, workspace folder and
-    the lease's lock descriptors (inherited, so the uids stay leased until it is through);
-    `close()` at a clean end."""
+    """The runner's side: start it with the run's uid ranges, cgroup, workspace folder, the
+    lease's lock descriptors (inherited, so the uids stay leased until it is through) and the
+    run mark its commands carry; `close()` at a clean end."""
 
     def __init__(
         self,
@@ -140,6 +229,7 @@ class Reaper:
         cgroup: Path | None,
         workspaces: Path | None,
         keep_fds: Iterable[int] = (),
+        mark: str | None = None,
     ) -> None:
         r, self._w = os.pipe()  # both close-on-exec: only the reaper gets r, nobody gets w
         spec = ",".join(f"{u.start}-{u.stop}" for u in uids) or "-"
@@ -153,6 +243,7 @@ class Reaper:
                     spec,
                     str(cgroup or "-"),
                     str(workspaces or "-"),
+                    mark or "-",
                 ],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,

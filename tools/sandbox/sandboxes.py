@@ -1,6 +1,9 @@
 """The sandboxes: `Sandbox.run` runs one `bash -c command` for one agent (one uid) in its
 workspace and returns an ExecResult; the subclasses say how it is wrapped (bwrap, or mode
-"none": rlimits and the uid only). `make_sandbox(mode)` is how the runner gets one.
+"none": rlimits and the uid only). Each works in root mode (every agent its own host uid) or,
+started by an ordinary user, in user mode (agents run as that user: bwrap in an unprivileged
+user namespace per command; the uid numbers only label agents). `make_sandbox(mode)` is how
+the runner gets one.
 """
 
 from __future__ import annotations
@@ -10,16 +13,20 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import ClassVar
 
+from . import cgroups
 from .bwrap import (
     BASH,
     INNER_PATH,
+    Wrapping,
     bwrap_argv,
     find_bwrap,
     host_wrappers,
     inner_env,
+    prepare_own_tree,
     prlimit_argv,
     probe_bwrap,
     setpriv_argv,
@@ -29,11 +36,13 @@ from .bwrap import (
 from .cgroups import cgroup_prefix, close_cgroups
 from .filesystem import disk_usage, prepare_tree
 from .limits import ExecResult, Limits, SandboxUnavailable, check_uid
-from .processes import Run, inflight, normalize_rc, spawn, watch
+from .processes import Run, inflight, normalize_rc, spawn, sweep_uid, watch
+from .reaper import AGENT_MARK, MARK, kill_marked, run_mark
 
 log = logging.getLogger("concur.sandbox")
 
-MODES = ("bwrap", "none")
+# bwrap: root mode as root, user mode otherwise; bwrap-root / bwrap-user: that one or an error
+MODES = ("bwrap", "bwrap-root", "bwrap-user", "none")
 _DEFAULT_LIMITS = Limits()  # a frozen dataclass: safe to share as a default
 
 
@@ -44,8 +53,17 @@ class Sandbox:
     WORKDIR: ClassVar[str] = ""
     _uses_info_fd: ClassVar[bool] = False  # bwrap reports its pid namespace on an extra fd
 
-    def __init__(self) -> None:
-        self._wrappers = host_wrappers()  # (prlimit, setpriv); raises SandboxUnavailable
+    def __init__(self, user: bool | None = None) -> None:
+        # user mode: started by an ordinary user, every agent runs as that user
+        self.user = os.geteuid() != 0 if user is None else user
+        if self.user and os.geteuid() == 0:
+            raise SandboxUnavailable(
+                "user mode runs every agent as the user who starts the runner; as root that "
+                "is uid 0 on the host. Run it as an ordinary user, or as root in root mode"
+            )
+        self._wrappers = host_wrappers(self.user)  # (prlimit, setpriv); SandboxUnavailable
+        self._mark = run_mark()  # in every command's environment: the reaper's way to them
+        cgroups.in_force()  # look for the agents' cgroups now (said once if there are none)
         self._runs: set[Run] = set()
         # Size of each workspace after its last command (exact up to 2x its limit).
         self._ws_usage: dict[Path, int] = {}
@@ -54,9 +72,19 @@ class Sandbox:
         """The path the command sees as its cwd for this workspace."""
         return self.WORKDIR
 
+    @property
+    def privilege(self) -> str:
+        """Root mode (a host uid per agent) or user mode (agents run as the user)."""
+        return "user" if self.user else "root"
+
     def prepare_workspace(self, workspace: Path, uid: int) -> None:
-        """mkdir -p, chown -R uid:uid, mode 0700. Call once per agent, before its commands."""
-        prepare_tree(workspace, uid)
+        """mkdir -p, chown -R uid:uid (root mode), mode 0700. Call once per agent, before its
+        commands."""
+        if self.user:
+            check_uid(uid)
+            prepare_own_tree(workspace)
+        else:
+            prepare_tree(workspace, uid)
 
     def _argv(
         self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
@@ -64,7 +92,8 @@ class Sandbox:
         """(argv, cwd for the spawn, env for the spawn)."""
         raise NotImplementedError
 
-    def _sweep_argv(self, uid: int) -> list[str] | None:
+    def _sweep(self, uid: int) -> Callable[[], Awaitable[None]] | None:
+        """What kills a command's escapees once it is done (None: its namespace did)."""
         return None
 
     async def run(
@@ -86,7 +115,7 @@ class Sandbox:
         argv, cwd, env = self._argv(command, workspace, uid, limits, info_w)
         start = time.monotonic()
         proc = spawn(argv, cwd, env, stdin is not None, info_r, info_w)
-        run = Run(loop, proc, uid, limits.output_bytes, info_r, self._sweep_argv(uid))
+        run = Run(loop, proc, uid, limits.output_bytes, info_r, self._sweep(uid))
         self._runs.add(run)
         try:
             with inflight(uid):
@@ -184,30 +213,68 @@ class BwrapSandbox(Sandbox):
     WORKDIR: ClassVar[str] = "/work"
     _uses_info_fd: ClassVar[bool] = True
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, user: bool | None = None) -> None:
+        if user and os.geteuid() == 0:
+            raise SandboxUnavailable(
+                "--sandbox bwrap-user runs every agent as the user who starts the runner; "
+                "as root that is uid 0 on the host. Run it as an ordinary user, or use "
+                "--sandbox bwrap (root mode: a uid per agent)"
+            )
+        super().__init__(user)
         self._bwrap = find_bwrap()
+        self._how = Wrapping(user=self.user, mark=self._mark)
+        if self.user:
+            self._how = self._probe_user_mode()
+
+    def _probe_user_mode(self) -> Wrapping:
+        """User mode: the per-command process bound (RLIMIT_NPROC inside each sandbox) needs
+        a kernel that counts it per user namespace; else one bound for the whole batch."""
+        inside = Wrapping(user=True, nproc_inside=True, mark=self._mark)
+        if probe_bwrap(inside) is None:
+            return inside
+        reason = probe_bwrap(self._how)
+        if reason is not None:
+            raise SandboxUnavailable(unavailable_message(reason))
+        log.warning(
+            "this kernel counts RLIMIT_NPROC per user, not per user namespace (before Linux "
+            "5.14): no per-agent process bound; all of uid %d's processes share its limit",
+            os.geteuid(),
+        )
+        return self._how
+
+    @property
+    def nproc_inside(self) -> bool:
+        return self._how.nproc_inside
 
     def _argv(
         self, command: str, workspace: Path, uid: int, limits: Limits, info_fd: int | None
     ) -> tuple[list[str], str, dict[str, str]]:
         argv = bwrap_argv(
-            self._wrappers, self._bwrap, command, workspace, uid, limits, info_fd, self.WORKDIR
+            self._wrappers,
+            self._bwrap,
+            command,
+            workspace,
+            uid,
+            limits,
+            info_fd,
+            self.WORKDIR,
+            how=self._how,
         )
         # The wrappers start in "/"; the command's cwd comes from --chdir.
-        return argv, "/", {"PATH": INNER_PATH}
+        return argv, "/", {"PATH": INNER_PATH, MARK: self._mark}
 
 
 class UnsandboxedSandbox(Sandbox):
-    """Mode "none": rlimits, per-agent uid, own session and process-group kill, but NO
+    """Mode "none": rlimits, per-agent uid (root), own session and process-group kill, but NO
     filesystem or network isolation. After each command every process of the uid is killed
-    (unless another command of the same uid is still running)."""
+    (unless another command of the same uid is still running); in user mode, every process
+    that carries the agent's mark in its environment."""
 
     mode: ClassVar[str] = "none"
     WORKDIR: ClassVar[str] = "."  # the real path depends on the workspace: see workdir()
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, user: bool | None = None) -> None:
+        super().__init__(user)
         self._kill = which("kill")
         log.warning(
             "SANDBOX DISABLED (--sandbox none): agent commands run on the host without "
@@ -225,18 +292,30 @@ class UnsandboxedSandbox(Sandbox):
         prlimit, setpriv = self._wrappers
         argv = [
             *cgroup_prefix(uid, limits),
-            *prlimit_argv(prlimit, limits),
-            *setpriv_argv(setpriv, uid),
+            *prlimit_argv(prlimit, limits, nproc=not self.user),
+            *setpriv_argv(setpriv, None if self.user else uid),
             BASH,
             "-c",
             command,
         ]
-        return argv, str(workspace), inner_env(str(workspace))
+        env = inner_env(str(workspace), self._mark)
+        if self.user:
+            env[AGENT_MARK] = str(uid)
+        return argv, str(workspace), env
 
-    def _sweep_argv(self, uid: int) -> list[str] | None:
+    def _sweep(self, uid: int) -> Callable[[], Awaitable[None]] | None:
+        if self.user:  # never `kill -1` as the user: that would kill the runner too
+            agent = {MARK.encode(): self._mark.encode(), AGENT_MARK.encode(): str(uid).encode()}
+
+            async def sweep_marked() -> None:
+                await asyncio.to_thread(
+                    kill_marked, lambda env: all(env.get(k) == v for k, v in agent.items())
+                )
+
+            return sweep_marked
         # No prlimit here: the sweep must work even while the uid is at its nproc limit.
         killer = [self._kill, "-KILL", "-1"] if self._kill else [BASH, "-c", "kill -KILL -1"]
-        return [
+        argv = [
             self._wrappers[1],
             f"--reuid={uid}",
             f"--regid={uid}",
@@ -244,12 +323,15 @@ class UnsandboxedSandbox(Sandbox):
             "--",
             *killer,
         ]
+        return lambda: sweep_uid(argv)
 
 
 def make_sandbox(mode: str) -> Sandbox:
-    if mode == "bwrap":
-        sb = BwrapSandbox()  # raises SandboxUnavailable itself when not root / not installed
-        reason = probe_bwrap()
+    if mode in ("bwrap", "bwrap-root", "bwrap-user"):
+        # raises SandboxUnavailable itself when not installed, or not root for bwrap-root;
+        # user mode has probed already
+        sb = BwrapSandbox({"bwrap": None, "bwrap-root": False, "bwrap-user": True}[mode])
+        reason = None if sb.user else probe_bwrap(Wrapping())
         if reason is not None:
             raise SandboxUnavailable(unavailable_message(reason))
         return sb

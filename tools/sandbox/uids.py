@@ -20,7 +20,7 @@ from typing import IO
 
 from .cgroups import cgroup_folder
 from .limits import AGENT_UID_BASE
-from .reaper import Reaper, kill_uid_processes, process_uids
+from .reaper import Reaper, kill_marked, kill_uid_processes, of_dead_run, process_uids, run_mark
 
 log = logging.getLogger("concur.sandbox")
 
@@ -75,9 +75,13 @@ def block_range(block: int) -> range:
 def lease_uids(n_agents: int, registry: Path = REGISTRY_DIR) -> UidLease:
     """Lease enough blocks for `n_agents` agents (at least one block). Kills what dead runs
     left running under those uids. UidsExhausted if too few blocks are free. Not root: no
-    process can be started as another uid, so there is nothing to lease (an unlocked lease)."""
+    process can be started as another uid, so there is nothing to lease (an unlocked lease;
+    agents run as the user's own uid): what dead runs of this user left is killed instead."""
     want = max(1, -(-n_agents // BLOCK_SIZE))
     if os.geteuid() != 0:  # cannot switch uids at all: the numbers only label the agents
+        killed = kill_marked(of_dead_run)
+        if killed:
+            log.warning("killed %d processes left running by a dead run of this user", killed)
         return UidLease(list(range(want)))
     _make_registry(registry)
     lease = UidLease([])
@@ -129,9 +133,11 @@ def _try_lock(path: Path) -> IO[str] | None:
 def start_reaper(lease: UidLease | None, workspaces: Path | None) -> Reaper:
     """The reaper of a run (tools/sandbox/reaper.py): if this process dies, it kills what
     runs under the lease's uids and in this process's cgroup and removes `workspaces`.
-    Without a (locked) lease the uids are not ours to kill: only the cgroup and folder."""
+    Without a (locked) lease the uids are not ours to kill: the cgroup, the processes that
+    carry this run's mark (not root: all of the user's own uid) and the folder."""
     if lease is None or not lease.locked:
-        return Reaper([], cgroup_folder(), workspaces)
+        mark = run_mark() if os.geteuid() != 0 else None
+        return Reaper([], cgroup_folder(), workspaces, mark=mark)
     return Reaper(lease.ranges(), cgroup_folder(), workspaces, lease.lock_fds())
 
 

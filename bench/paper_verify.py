@@ -1,0 +1,86 @@
+"""Rerun some runs of bench/paper.py and bench/stress.py; compare them with the committed
+paper.json and stress.json.
+
+    python bench/paper_verify.py RUN [RUN ...] [--jobs 2]
+    python bench/paper_verify.py --preset gate       # the subset that exercises the gate
+
+For a change that must not move any decision (the gate's data structures, a refactor): every
+run must give the same simulated seconds, work digest, hit rate, engine counters and gate
+summary (pauses, resumes, window, branches, seconds paused) as its record in
+bench/results/paper.json or stress.json. Writes nothing; exits 1 on any difference, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stress
+from paper import RESULTS, execute, plan
+
+# Every Table 1 row under aimd, wset and wset+hicache (DeepSeek: every system, they are
+# cheap), the request unit, the runs with the most pauses and resumes (both resume rules),
+# and the stress rows where the gate works hardest (2,048 agents; minute-long tools).
+PRESETS = {
+    "gate": [
+        *(f"{c}-{s}" for c in ("ds-16", "ds-32", "ds-40") for s in
+          ("none", "request-cap", "hicache", "aimd", "wset", "wset+hicache")),
+        "qwen-tp8-aimd", "qwen-tp8-wset", "qwen-tp8-request-cap", "qwen-tp8-wset-target1.8",
+        "qwen-tp4-wset", "qwen-tp4-wset+hicache",
+        "qwen-tp2-aimd", "qwen-tp2-wset", "qwen-tp2-ulow0.5",
+        "stress-swarm-wset", "stress-swarm-aimd", "stress-slow-tools-wset",
+        "stress-ds-spikes-wset",
+    ],
+}  # fmt: skip
+# wall seconds and where the run folder was differ between machines; everything else must not
+VARIABLE = {"wall_seconds", "out"}
+
+
+def differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    keys = (set(got) | set(want)) - VARIABLE
+    return [
+        f"{k}: {want.get(k)!r} -> {got.get(k)!r}" for k in sorted(keys) if got.get(k) != want.get(k)
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="*", help="run names as in paper.json (e.g. qwen-tp8-wset)")
+    p.add_argument("--preset", choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=max(1, min(2, mp.cpu_count())))
+    args = p.parse_args()
+    names = [*args.runs, *PRESETS.get(args.preset or "", [])]
+    if not names:
+        p.error("name runs or a --preset")
+    committed = {
+        r["run"]: r
+        for f in ("paper.json", "stress.json")
+        for r in json.loads((RESULTS / f).read_text())
+    }
+    by_name = {r.name: r for r in [*plan(None, quick=False), *stress.plan(None, None)]}
+    unknown = [n for n in names if n not in by_name or n not in committed]
+    if unknown:
+        p.error(f"not a run of paper.py or stress.py with a committed record: {unknown}")
+    print(f"{len(names)} runs against {RESULTS}/paper.json, stress.json, {args.jobs} at a time")
+    with mp.get_context("fork").Pool(args.jobs) as pool:
+        records = pool.map(execute, [(by_name[n], args.seed) for n in names], chunksize=1)
+    bad = 0
+    for rec in records:
+        diff = differences(rec, committed[rec["run"]])
+        bad += bool(diff)
+        print(f"{'DIFFERS' if diff else 'same'}: {rec['run']} ({rec['sim_seconds']} sim s)")
+        for d in diff:
+            print(f"    {d}")
+    print(f"{len(records) - bad} of {len(records)} runs identical to their committed records")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

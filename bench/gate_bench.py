@@ -1,11 +1,12 @@
 """The gate's own cost with 10,000 agents, next to the engine's per-step time.
 
     python bench/gate_bench.py [--agents 10000] [--repeats 3] [--baseline REF] [--no-engine]
+                               [--out gate.json]
 
 Prints microseconds (this thread's CPU time) per admission check (the hot path: an admitted
-agent between steps),
-per admission of a waiting agent, per pause/resume cycle, and per control update
-(signals -> policy -> resize -> control line), and writes bench/results/gate.json. Each
+agent between steps), per admission of a waiting agent, per pause/resume cycle, and per
+control update (signals -> policy -> resize -> control line; aimd, wset, and wset2 with
+holders in long tool calls), and writes bench/results/gate.json (or --out). Each
 repeat runs in a fresh process; with --baseline, the `runner` package of a git ref (e.g.
 main) is measured too, interleaved with this one, so both see the same machine load.
 """
@@ -48,6 +49,9 @@ PERIODS = (
     "control_update_wset_moving_us",
     "control_update_wset_moving_median_us",
     "wset_policy_update_us",
+    "control_update_wset2_tools_us",
+    "control_update_wset2_tools_median_us",
+    "wset2_policy_update_us",
 )
 
 
@@ -147,6 +151,73 @@ async def wset_periods(n: int, periods: int) -> dict[str, float]:
     }
 
 
+async def wset2_periods(n: int, periods: int) -> dict[str, float]:
+    """wset2 periods (its tool signals read from the gate, and KV of holders in long calls
+    dropped from the fit) on a gate of n agents, half held, on a clock of its own: a fifth of
+    the finished calls took a minute, the rest half a second; a fifth of the holders are in
+    a call, and between two periods 100 of them come back (a step) and 100 others go into
+    one, and the clock moves 1 s. The break-even is 20 s: a holder half a second into a call
+    is in a long one, and its KV is dropped from the fit."""
+    try:
+        from runner.policies import WorkingSet2, _RemainingTime
+    except ImportError:  # a --baseline before wset2: nothing to measure
+        return {}
+    rng, now = random.Random(2), [0.0]
+    keys = [f"agent-{i}" for i in range(n)]
+    held = keys[: n // 2]
+    gate = Gate(n // 2, pause_rule="newest", resume_rule="newest", clock=lambda: now[0])
+    ctx = {k: rng.randint(2_000, 30_000) for k in keys}
+    tasks = [asyncio.create_task(gate.acquire(k, ctx[k])) for k in keys]
+    await asyncio.sleep(0)
+    for i, k in enumerate(held[:1000]):  # the finished calls the policy sees
+        gate.done_request(k)
+        now[0] += 60.0 if i % 5 == 0 else 0.5
+        await gate.acquire(k, ctx[k])
+    in_tool = set(rng.sample(held, n // 10))  # a fifth of the holders
+    for k in in_tool:
+        gate.done_request(k)
+    capacity = int(sum(ctx[k] + 500 for k in held) / 0.9)
+    per_token = 20.0 / capacity  # the break-even: capacity x per_token = 20 s
+    stats = CacheStats(0.3, capacity, recompute_token_seconds=per_token)
+    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0, None)
+    spent, dropped = [], 0
+    policy_s = 0.0
+    for _ in range(periods):
+        back = rng.sample(sorted(in_tool), 100)
+        for k in back:
+            ctx[k] += rng.randint(50, 400)
+            await gate.acquire(k, ctx[k])
+        going = rng.sample([k for k in held if k not in in_tool], 100)
+        for k in going:
+            gate.done_request(k)
+        in_tool = (in_tool - set(back)) | set(going)
+        now[0] += 1.0
+        ctl.record(3_000, 1_000, 3_000)
+        t = cpu()
+        ctl.step()
+        spent.append(cpu() - t)
+        tools, durations = gate.tool_seconds(), gate.tool_durations()
+        after = _RemainingTime(durations).first_above(capacity * per_token)
+        dropped += sum(t > 0 and t >= after for t in tools)
+        sig = _signals_with(
+            gate, now=now[0], window=n // 2, usage=0.3, hit_rate=0.5, active=n // 2, paused=0,
+            pending=n - n // 2, finished=0, unfinished=n, capacity_tokens=capacity,
+            growth_per_step=500.0, shared_tokens=1_000, held_tool_seconds=tools,
+            tool_durations=durations, recompute_token_seconds=per_token,
+        )  # fmt: skip
+        t = cpu()
+        WorkingSet2().update(sig)
+        policy_s += cpu() - t
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        **_named("control_update_wset2_tools", spent),
+        "wset2_policy_update_us": policy_s / periods * 1e6,
+        "wset2_holders_dropped_per_period": dropped / periods,
+    }
+
+
 async def gate_costs(n: int) -> dict[str, float]:
     keys = [f"agent-{i}" for i in range(n)]
     gate = Gate(n)
@@ -202,6 +273,7 @@ async def gate_costs(n: int) -> dict[str, float]:
         **_named("control_update", control),
         **_named("control_update_wset", control_wset),
         **await wset_periods(n, periods),
+        **await wset2_periods(n, periods),
         "finish_us": finish_us,
     }
 
@@ -267,6 +339,7 @@ def main() -> None:
         help="also measure the gate at this git ref, interleaved with this code (same load)",
     )
     p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--out", default="gate.json", help="file name under bench/results/")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -293,7 +366,9 @@ def main() -> None:
     base = med.get("baseline")
     for k, v in gate.items():
         unit = "us" if "_us" in k else "  "
-        before = f"   before {base[k]:10.2f} {unit} ({base[k] / v:5.1f}x)" if base else ""
+        before = (
+            f"   before {base[k]:10.2f} {unit} ({base[k] / v:5.1f}x)" if k in (base or {}) else ""
+        )
         print(f"  {k:44s} {v:10.2f} {unit}{before}")
     if engine:
         warm_us = engine["warm_step_s"] * 1e6
@@ -315,7 +390,7 @@ def main() -> None:
         shares[k] = {"fastest_step": gate[k] / fastest, "mid_run_step": gate[k] / mid}
         print(f"  {k:44s} = {gate[k] / fastest:.2%} of the fastest, {gate[k] / mid:.2%} mid-run")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "gate.json"
+    out = RESULTS / args.out
     record = {
         "agents": args.agents,
         "repeats": args.repeats,

@@ -1,8 +1,9 @@
 """Rerun some runs of bench/paper.py and bench/stress.py; compare them with the committed
-paper.json and stress.json.
+paper.json and stress.json (and wset2-paper.json, wset2-stress.json for the wset2 runs).
 
     python bench/paper_verify.py RUN [RUN ...] [--jobs 2]
     python bench/paper_verify.py --preset gate       # the subset that exercises the gate
+    python bench/paper_verify.py --preset wset2      # wset2's runs, those that drop KV first
 
 For a change that must not move any decision (the gate's data structures, a refactor): every
 run must give the same simulated seconds, work digest, hit rate, engine counters and gate
@@ -37,7 +38,17 @@ PRESETS = {
         "stress-swarm-wset", "stress-swarm-aimd", "stress-slow-tools-wset",
         "stress-ds-spikes-wset",
     ],
+    # the two that drop KV of holders in long tools (slow-tools, with and without the host
+    # tier), then rows where nothing is dropped and the fit alone decides (a sweep point that
+    # cuts on recompute among them)
+    "wset2": [
+        "stress-slow-tools-wset2", "stress-slow-tools-wset2-hicache",
+        "ds-16-wset2", "ds-32-wset2", "ds-40-wset2+hicache", "stress-ds-spikes-wset2",
+        "qwen-tp8-wset2", "qwen-tp4-wset2-beta0.25", "stress-swarm-wset2",
+    ],
 }  # fmt: skip
+# where the committed records are: the wset2 side-by-side files add the wset2 runs
+RECORDS = ("paper.json", "stress.json", "wset2-paper.json", "wset2-stress.json")
 # wall seconds and where the run folder was differ between machines; everything else must not
 VARIABLE = {"wall_seconds", "out"}
 
@@ -59,16 +70,15 @@ def main() -> None:
     names = [*args.runs, *PRESETS.get(args.preset or "", [])]
     if not names:
         p.error("name runs or a --preset")
-    committed = {
-        r["run"]: r
-        for f in ("paper.json", "stress.json")
-        for r in json.loads((RESULTS / f).read_text())
-    }
+    committed: dict[str, dict[str, Any]] = {}
+    for f in RECORDS:  # the first file that has a run holds its record
+        for r in json.loads((RESULTS / f).read_text()):
+            committed.setdefault(r["run"], r)
     by_name = {r.name: r for r in [*plan(None, quick=False), *stress.plan(None, None)]}
     unknown = [n for n in names if n not in by_name or n not in committed]
     if unknown:
         p.error(f"not a run of paper.py or stress.py with a committed record: {unknown}")
-    print(f"{len(names)} runs against {RESULTS}/paper.json, stress.json, {args.jobs} at a time")
+    print(f"{len(names)} runs against {RESULTS}: {', '.join(RECORDS)}, {args.jobs} at a time")
     with mp.get_context("fork").Pool(args.jobs) as pool:
         records = pool.map(execute, [(by_name[n], args.seed) for n in names], chunksize=1)
     bad = 0

@@ -95,6 +95,8 @@ class Controller:
         c = self.gate.counts()
         before = self.gate.window
         contexts = self.gate.contexts() if self.policy.wants_contexts else ContextList()
+        in_tool = self.gate.tool_seconds() if self.policy.wants_tools else ()
+        tools_done = self.gate.tool_durations() if self.policy.wants_tools else ()
         sig = Signals(
             now=now,
             window=before,
@@ -109,6 +111,9 @@ class Controller:
             host_capacity_tokens=cache.host_capacity_tokens,
             host_reload_cost=cache.host_reload_cost,
             contexts=contexts,
+            held_tool_seconds=in_tool,
+            tool_durations=tools_done,
+            recompute_token_seconds=cache.recompute_token_seconds,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
             shared_tokens=self._shared_tokens(),

@@ -66,6 +66,8 @@ class CacheStats:
     # relative to recomputing it (below 1: cheaper). None where there is none or it is unknown.
     host_capacity_tokens: int | None = None
     host_reload_cost: float | None = None
+    # Seconds the engine takes to prefill (recompute) one token of context; None if unknown.
+    recompute_token_seconds: float | None = None
 
 
 class EngineError(RuntimeError):

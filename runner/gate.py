@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -57,6 +57,7 @@ RESUME_RULES: dict[str, str] = {
     "shortest": "resume the agent with the shortest context first",
 }
 HOLDING = ("active", "marked")
+TOOL_DURATIONS_KEPT = 1000  # the latest tool calls a policy sees (Signals.tool_durations)
 Unit = Literal["agent", "request"]
 
 
@@ -101,6 +102,10 @@ class ControlledGate(Protocol):
 
     def contexts(self) -> ContextsView: ...
 
+    def tool_seconds(self) -> tuple[float, ...]: ...
+
+    def tool_durations(self) -> tuple[float, ...]: ...
+
     def growth_per_step(self) -> float | None: ...
 
     def drain_events(self) -> list[tuple[str, str]]: ...
@@ -118,6 +123,7 @@ class _Agent:
     waiter: asyncio.Future[None] | None = None
     wait_since: float | None = None
     paused_since: float | None = None
+    tool_since: float | None = None  # its request finished, its next acquire not yet come
     paused_seconds: float = 0.0
     pending_seconds: float = 0.0
     ever_admitted: bool = False
@@ -168,6 +174,8 @@ class Gate:
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
+        # the latest tool calls' durations (request finished -> next acquire), for policies
+        self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -187,6 +195,9 @@ class Gate:
             a = self._agents[key]
         old = a.context
         a.context = context_tokens
+        if a.tool_since is not None:  # back from a tool call: how long it took
+            self._tool_durations.append(self._clock() - a.tool_since)
+            a.tool_since = None
         if a.state == "active":  # the hot path: an admitted agent between steps
             a.block.total += context_tokens - old  # its block's running total, in O(1)
             if context_tokens > old:
@@ -238,6 +249,8 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
+        if a is not None:
+            a.tool_since = self._clock()
         if self.unit == "request" and a is not None and a.state in HOLDING:
             self._move(a, "idle")
             self._fill()
@@ -303,6 +316,23 @@ class Gate:
         order). A policy can fit a window to memory with them. A live view of running totals
         the gate keeps (gate_order.py): O(1) to get, no sort."""
         return ContextsView(self._keep)
+
+    def tool_seconds(self) -> tuple[float, ...]:
+        """Seconds each slot holder has spent since its last request finished (in a tool
+        call, or preparing its next turn), 0 while its request is in the engine; in the
+        order of `contexts()`'s held agents. The keep order's holder segments are walked in
+        order: O(holders), no sort; read only for policies that want it (`wants_tools`)."""
+        now, keep = self._clock(), self._keep
+        return tuple(
+            0.0 if (t := a.tool_since) is None else now - t
+            for seg in (keep.active, keep.marked)
+            for b in seg.blocks
+            for a in b.items
+        )
+
+    def tool_durations(self) -> tuple[float, ...]:
+        """Durations of the latest tool calls (at most TOOL_DURATIONS_KEPT), oldest first."""
+        return tuple(self._tool_durations)
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]

@@ -101,6 +101,11 @@ class Signals:
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
     # every agent's context: slot holders in keep order, then waiting ones in admission order
     contexts: Contexts = ContextList()
+    # seconds each slot holder has been out of the engine (in a tool), in `contexts`' held order
+    held_tool_seconds: tuple[float, ...] = ()
+    tool_durations: tuple[float, ...] = ()  # the latest finished tool calls' seconds
+    # seconds the engine takes to recompute one token of an evicted context
+    recompute_token_seconds: float | None = None
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
     shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
@@ -122,6 +127,8 @@ class Policy(Protocol):
     # whether Signals must carry the agents' contexts (the gate's view: cheap, but only the
     # policies that read it get it)
     wants_contexts: ClassVar[bool]
+    # whether Signals must carry the holders' tool seconds and the latest tool durations
+    wants_tools: ClassVar[bool]
 
     def initial_window(self, n_agents: int) -> int: ...
 
@@ -149,6 +156,7 @@ class AIMD:
     name: ClassVar[str] = "aimd"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha, int) and self.alpha >= 1):
@@ -189,6 +197,7 @@ class NoGate:
     name: ClassVar[str] = "none"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)
@@ -208,6 +217,7 @@ class AgentCap:
     name: ClassVar[str] = "agent-cap"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -264,6 +274,7 @@ class WorkingSet:
     name: ClassVar[str] = "wset"
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = True
+    wants_tools: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 2.0:  # above 1: deliberate overcommit
@@ -291,15 +302,7 @@ class WorkingSet:
         return Decision(fit, "fit")
 
     def _capacity(self, s: Signals) -> float:
-        """The device pool, plus the host tier where the engine has one and reloading from
-        it is cheaper than recomputing (an agent whose KV went to host comes back for a PCIe
-        copy instead of a prefill): the part of it beyond the device's own copies, since
-        write-through keeps a host copy of what the device holds."""
-        device = float(s.capacity_tokens or 0)
-        if not self.use_host or not s.host_capacity_tokens or s.host_reload_cost is None:
-            return device
-        extra = max(0.0, s.host_capacity_tokens - device)
-        return device + (extra if s.host_reload_cost < 1.0 else 0.0)
+        return _capacity(s, self.use_host)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -307,9 +310,173 @@ class WorkingSet:
         return d
 
 
+@dataclass(frozen=True)
+class WorkingSet2:
+    """`wset` with a reserve instead of a share, that drops the KV of agents in long tools.
+
+    - The working set may fill the pool less a `reserve` share (the engine's own reservation
+      for the running requests' decode, and dead KV that LRU keeps over a live agent's), and
+      never more: a working set beyond the device pool thrashes, so no setting of this
+      policy overcommits it (a host tier whose reloads are cheaper than recomputes adds its
+      capacity beyond the device's copies, as in `wset`).
+    - A slot holder in a tool call whose expected remaining time is long counts nothing: the
+      window admits others in its place, and the engine's LRU evicts the longest-idle
+      prefixes first, which are exactly these; the agent recomputes its context when the tool
+      returns: the InferCept trade, one prefill instead of a minute of idle KV. Expected
+      remaining time: the mean excess over the time already spent, among the latest finished
+      tool calls. Dropping a token saves that many token-seconds of pool and costs one
+      token's recompute seconds; the pool serves `capacity` token-seconds a second, so the
+      trade pays when the remaining time exceeds capacity x that cost (the break-even),
+      times `drop_factor`. With a host tier counted in the capacity, what the tiers cannot
+      hold is recomputed too, so the cost stays a recompute's.
+    """
+
+    reserve: float = 0.1
+    headroom_steps: float = 1.0
+    max_recompute: float = 0.3
+    beta: float = 0.5
+    use_host: bool = True
+    drop_factor: float = 1.0  # x the break-even remaining tool time above which KV is dropped
+    fallback: AIMD = AIMD()
+
+    name: ClassVar[str] = "wset2"
+    unit: ClassVar[Unit] = "agent"
+    wants_contexts: ClassVar[bool] = True
+    wants_tools: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reserve < 1.0:
+            raise ValueError(f"wset2 reserve must be in [0, 1), got {self.reserve!r}")
+        if self.headroom_steps < 0:
+            raise ValueError(f"wset2 headroom_steps must be >= 0, got {self.headroom_steps!r}")
+        if not 0.0 < self.max_recompute <= 1.0:
+            raise ValueError(f"wset2 max_recompute must be in (0, 1], got {self.max_recompute!r}")
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(f"wset2 beta must be in (0, 1], got {self.beta!r}")
+        if self.drop_factor <= 0:
+            raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
+
+    def initial_window(self, n_agents: int) -> int:
+        return max(1, n_agents)  # nothing is resident yet: the first update fits it
+
+    def update(self, s: Signals) -> Decision:
+        if not s.capacity_tokens:
+            d = self.fallback.update(s)
+            return Decision(d.window, f"aimd-fallback:{d.branch}")
+        growth = (s.growth_per_step or 0.0) * self.headroom_steps
+        shared = s.shared_tokens or 0
+        capacity = _capacity(s, self.use_host)
+        budget = (1.0 - self.reserve) * capacity - shared  # the shared prefix, stored once
+        contexts = s.contexts
+        after = self._drop_after(s, capacity)
+        if after is not None:  # holders in calls past it count nothing
+            # t > 0 and t >= after, compared in C (after >= 0: past 0, t > 0 alone)
+            past = after.__le__ if after > 0 else (0.0).__lt__
+            tools = itertools.islice(s.held_tool_seconds, contexts.held)
+            dropped = list(itertools.compress(itertools.count(), map(past, tools)))
+            if dropped:
+                return self._decide(s, _fit_dropping(contexts, budget, growth, shared, dropped))
+        return self._decide(s, contexts.fit(budget, growth, shared))
+
+    def _decide(self, s: Signals, fit: int) -> Decision:
+        fit = max(1, fit)
+        if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
+            return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
+        return Decision(fit, "fit")
+
+    def _drop_after(self, s: Signals, capacity: float) -> float | None:
+        """Seconds in a tool call from which a holder's KV is dropped (None: never): the
+        first time the call's expected remainder passes the break-even. With a host tier
+        counted in `capacity`, a context the tiers cannot hold is recomputed, not reloaded,
+        so the cost is a recompute's either way."""
+        if not s.recompute_token_seconds or not s.tool_durations:
+            return None
+        break_even = self.drop_factor * capacity * s.recompute_token_seconds
+        return _RemainingTime(s.tool_durations).first_above(break_even)
+
+    def params(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("fallback")
+        return d
+
+
+class _RemainingTime:
+    """The mean excess of a tool call that has run `spent` seconds: the mean remaining time
+    of the finished calls that took longer (beyond them all: `spent` again, as for a heavy
+    tail). `first_above(x)` is the least time in a call at which it exceeds x: a call whose
+    expected remainder once passed the break-even has had its KV dropped, so it stays
+    dropped even as its expected remainder falls (between finished durations the mean
+    excess only falls, so that time is 0 or one of them)."""
+
+    def __init__(self, durations: tuple[float, ...]) -> None:
+        self._d = sorted(durations)
+        self._suffix = [*reversed(list(itertools.accumulate(reversed(self._d)))), 0.0]
+
+    def expected(self, spent: float) -> float:
+        i = bisect.bisect_right(self._d, spent)
+        n = len(self._d) - i
+        return spent if n == 0 else (self._suffix[i] - n * spent) / n
+
+    def first_above(self, x: float) -> float:
+        d, suffix, m = self._d, self._suffix, len(self._d)
+        if m and suffix[0] / m > x:
+            return 0.0
+        for j, t in enumerate(d):  # just past d[j]: the calls longer than t
+            if j + 1 < m and d[j + 1] == t:
+                continue  # ties: the last of equal durations
+            n = m - j - 1
+            if n and (suffix[j + 1] - n * t) / n > x:
+                return t
+        # beyond every finished call the expected remainder is the time spent
+        if d and d[-1] > x:
+            return d[-1]
+        return math.nextafter(x, math.inf)
+
+
+def _capacity(s: Signals, use_host: bool) -> float:
+    """The device pool, plus the host tier where the engine has one and reloading from it is
+    cheaper than recomputing (an agent whose KV went to host comes back for a PCIe copy
+    instead of a prefill): the part of it beyond the device's own copies, since
+    write-through keeps a host copy of what the device holds."""
+    device = float(s.capacity_tokens or 0)
+    if not use_host or not s.host_capacity_tokens or s.host_reload_cost is None:
+        return device
+    extra = max(0.0, s.host_capacity_tokens - device)
+    return device + (extra if s.host_reload_cost < 1.0 else 0.0)
+
+
+def _fit_dropping(
+    contexts: Contexts, budget: float, extra: float, shared: int, dropped: list[int]
+) -> int:
+    """`contexts.fit(budget, extra, shared)` where the holders at the `dropped` positions
+    (ascending) count 0. With D[j] the terms of the first j dropped holders, a prefix that
+    has passed exactly j of them fits iff its plain total is within budget + D[j]; whether
+    the fit passes the j-th dropped holder only turns from yes to no as j grows, so the
+    number it passes is found by bisection (each probe one `fit`: running totals, no sort),
+    and the count is `fit(budget + D[j])` past the last one passed. Only the dropped
+    holders' contexts are read (walking the holders up to the last of them)."""
+    if budget < 0:
+        return 0
+    if not dropped:
+        return contexts.fit(budget, extra, shared)
+    mask = bytearray(dropped[-1] + 1)
+    for i in dropped:
+        mask[i] = 1
+    terms = (max(c, shared) - shared + extra for c in itertools.compress(contexts, mask))
+    lift = list(itertools.accumulate(terms, initial=0.0))  # lift[j]: the first j dropped
+
+    def passes(j: int) -> bool:  # the prefix just short of the j-th dropped holder fits
+        return contexts.fit(budget + lift[j], extra, shared) >= dropped[j]
+
+    j = bisect.bisect_left(range(len(dropped)), True, key=lambda j: not passes(j))
+    low = dropped[j - 1] + 1 if j else 0
+    high = dropped[j] if j < len(dropped) else len(contexts)
+    return min(max(contexts.fit(budget + lift[j], extra, shared), low), high)
+
+
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy
 # is one class added here, and `--policy NAME:key=value,...` and --help know it at once.
-_POLICIES: tuple[type[Policy], ...] = (AIMD, WorkingSet, NoGate, AgentCap, RequestCap)
+_POLICIES: tuple[type[Policy], ...] = (AIMD, WorkingSet, WorkingSet2, NoGate, AgentCap, RequestCap)
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in _POLICIES}
 # The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
 # policy falls back on (its field of type AIMD). Other policies take none.

@@ -150,6 +150,12 @@ class RankView:
     def contexts(self) -> ContextsView:
         return self._gate.contexts()
 
+    def tool_seconds(self) -> tuple[float, ...]:
+        return self._gate.tool_seconds()
+
+    def tool_durations(self) -> tuple[float, ...]:
+        return self._gate.tool_durations()
+
     def growth_per_step(self) -> float | None:
         return self._gate.growth_per_step()
 

@@ -1,7 +1,10 @@
 """The gate as it was before its agents were kept in order (main at 13e7131, runner/gate.py):
 `contexts()` and the pause / unmark orders computed by sorting every agent. Kept verbatim (the
 protocols and the module doc left out) as the reference that test_gate_order.py holds the
-incremental structure to: the same events in, the same decisions and contexts out.
+incremental structure to: the same events in, the same decisions and contexts out. With the
+tool signals of the `policy` branch added as that branch wrote them on this sort-based gate
+(`tool_since`, `tool_seconds()` sorting the holders, `tool_durations()`), so the test holds
+the keep order's holder walk to that sort too.
 """
 # ruff: noqa
 
@@ -11,13 +14,14 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PAUSE_RULES = ("newest", "shortest", "longest")
 RESUME_RULES = ("oldest", "newest", "longest", "shortest")
 HOLDING = ("active", "marked")
+TOOL_DURATIONS_KEPT = 1000
 
 
 @dataclass(eq=False)
@@ -30,6 +34,7 @@ class _Agent:
     waiter: asyncio.Future[None] | None = None
     wait_since: float | None = None
     paused_since: float | None = None
+    tool_since: float | None = None  # its request finished, its next acquire not yet come
     paused_seconds: float = 0.0
     pending_seconds: float = 0.0
     ever_admitted: bool = False
@@ -79,6 +84,7 @@ class Gate:
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
+        self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -97,6 +103,9 @@ class Gate:
             self._growth_steps += 1
             self._growth_tokens += context_tokens - a.context
         a.context = context_tokens
+        if a.tool_since is not None:  # back from a tool call: how long it took
+            self._tool_durations.append(self._clock() - a.tool_since)
+            a.tool_since = None
         if a.state == "active":
             return  # the hot path: an admitted agent between steps
         if a.state == "done":
@@ -130,6 +139,8 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
+        if a is not None:
+            a.tool_since = self._clock()
         if self.unit == "request" and a is not None and a.state in HOLDING:
             self._move(a, "idle")
             self._fill()
@@ -204,6 +215,15 @@ class Gate:
             key=lambda a: a.order,
         )
         return tuple(a.context for a in held), tuple(a.context for a in waiting)
+
+    def tool_seconds(self) -> tuple[float, ...]:
+        now = self._clock()
+        held = sorted(self._active.values(), key=lambda a: a.admitted_seq)
+        held += sorted(self._marked.values(), key=lambda a: a.admitted_seq)
+        return tuple(0.0 if a.tool_since is None else now - a.tool_since for a in held)
+
+    def tool_durations(self) -> tuple[float, ...]:
+        return tuple(self._tool_durations)
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]

@@ -4,8 +4,9 @@ Thousands of random event sequences (agents asking with growing, shrinking or eq
 requests ending, agents finishing or being cancelled while they wait, the window resized,
 time moving or standing still) run through both gates; every decision (who is marked, paused,
 unmarked, resumed, admitted, in which order), every state and count, the contexts a policy
-reads, and `fit` / `total` on them must be the same after every event. Blocks are made tiny
-(1 and 4 agents) so that splits and merges happen all the time.
+reads (contexts, holders' tool seconds, tool durations), and `fit` / `total` on them must be
+the same after every event. Blocks are made tiny (1 and 4 agents) so that splits and merges
+happen all the time.
 """
 
 import asyncio
@@ -134,6 +135,8 @@ def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
         gate.counters.resumes,
         gate.growth_per_step(),
         gate.wait_totals(),
+        gate.tool_seconds(),
+        gate.tool_durations(),
         tuple(gate.state(k) for k in keys),
     )
 

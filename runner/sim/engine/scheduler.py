@@ -204,6 +204,9 @@ class SimEngine:
         self.hicache_tokens = max(0, int(hicache_tokens))
         self.chunked_prefill_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
+        # a full chunk prefilled from position 0, per token: what recomputing a context costs
+        chunk = max(1, chunked_prefill_size)
+        self._recompute_token_seconds = self.cost.prefill([(0, chunk)]).seconds / chunk
         # SGLang model_runner: req_to_token_pool size when --max-running-requests is unset
         default_reqs = min(max(int(self.capacity / self.context_limit * 512), 2048), 4096)
         self.max_running_requests = max_running_requests or default_reqs
@@ -894,6 +897,7 @@ class SimEngine:
                 if self.hicache_tokens
                 else None
             ),
+            recompute_token_seconds=self._recompute_token_seconds,
             extra={
                 "physical_occupancy": (cap - free) / cap,
                 "free_tokens": free,

@@ -179,7 +179,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     capacity = int(sum(ctx[k] + 500 for k in held) / 0.9)
     per_token = 20.0 / capacity  # the break-even: capacity x per_token = 20 s
     stats = CacheStats(0.3, capacity, recompute_token_seconds=per_token)
-    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0, None)
+    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0)
     spent, dropped = [], 0
     policy_s = 0.0
     for _ in range(periods):

@@ -123,7 +123,7 @@ async def wset_periods(n: int, periods: int) -> dict[str, float]:
     rng = random.Random(1)
     ctx = dict.fromkeys(keys, 15_000)
     held_tokens = 15_500 * (n // 2)  # the pool fits about the holders: the fit moves each period
-    ctl = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, int(held_tokens / 0.9)), 1.0, None)
+    ctl = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, int(held_tokens / 0.9)), 1.0)
     stepping: dict[str, asyncio.Task[None]] = {}
     spent, moved = [], 0
     for p in range(periods):
@@ -179,7 +179,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     capacity = int(sum(ctx[k] + 500 for k in held) / 0.9)
     per_token = 20.0 / capacity  # the break-even: capacity x per_token = 20 s
     stats = CacheStats(0.3, capacity, recompute_token_seconds=per_token)
-    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0, None)
+    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0)
     spent, dropped = [], 0
     policy_s = 0.0
     for _ in range(periods):
@@ -240,12 +240,12 @@ async def gate_costs(n: int) -> dict[str, float]:
 
     # control updates: AIMD over the full population, window moving every period
     usage = [0.1, 0.3, 0.7, 0.7]  # grow, hold, cut (with low H), cut
-    ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0, None)
+    ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0)
     periods = 200
     control = timed_periods(ctl, periods, lambda: ctl.record(1000, 100))
 
     # the same with wset, which reads every agent's context each period
-    ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0, None)
+    ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0)
     control_wset = timed_periods(ws, periods, lambda: ws.record(1000, 100))
 
     # pause + resume cycle: shrink to half (marks n/2), they reach a boundary and wait,

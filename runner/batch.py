@@ -13,7 +13,7 @@ import itertools
 import json
 import logging
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,15 +75,14 @@ class RecordSink(Protocol):
     @property
     def finished(self) -> Mapping[str, dict[str, Any]]: ...
 
-    def add_trajectory(self, record: dict[str, Any]) -> None: ...
-
-    def add_record(self, name: str, record: dict[str, Any]) -> None:
-        """A line of another record file (rollouts.jsonl), before its trajectory's."""
+    async def finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
+        """A finished agent: its lines of other record files (`extra`: file name -> record,
+        e.g. rollouts.jsonl), then its trajectory `record`; done once this returns."""
         ...
 
-    def add_error(self, record: dict[str, Any]) -> None: ...
+    async def log_error(self, record: dict[str, Any]) -> None: ...
 
-    def add_control(self, line: dict[str, Any]) -> None: ...
+    async def log_control(self, line: dict[str, Any]) -> None: ...
 
 
 class TaskSource(Protocol):
@@ -142,6 +141,20 @@ class Totals:
     by_status: dict[str, int] = field(default_factory=dict)
 
 
+async def _uninterrupted(recording: Coroutine[Any, Any, None]) -> None:
+    """Run `recording` to its end even when the caller is cancelled meanwhile (a signal's
+    stop, the batch stopping on a dead engine), then let the cancellation go on: an agent
+    that finished is recorded whole, as when the writes blocked the loop, never half."""
+    task = asyncio.ensure_future(recording)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a finished agent could not be recorded: %s", task.exception())
+        raise
+
+
 class EngineDead(RuntimeError):
     """The engine failed for several agents in a row: the batch stops (resumable)."""
 
@@ -175,8 +188,7 @@ class Batch:
                 policy,
                 engine.cache_stats,
                 config.control_period,
-                None,
-                on_line=store.add_control,
+                on_line=store.log_control,
             )
         self._room = asyncio.Event()  # source mode: an agent ended, the gate may have room
         self._free_slots: list[int] = []  # source mode: uid offsets of ended agents
@@ -196,12 +208,7 @@ class Batch:
         self._ended: dict[str, tuple[str, float]] = {}
         self._setup_sem = asyncio.Semaphore(SETUP_CONCURRENCY)
         self.workspace_bounds: dict[WorkspaceBound, int] = {}  # how many workspaces got each
-        if config.workspace_root is None:
-            self._ws_root = Path(tempfile.mkdtemp(prefix="concur-ws-"))
-        else:
-            self._ws_root = config.workspace_root
-            remove_tree(self._ws_root)  # left by a killed run
-            self._ws_root.mkdir(parents=True)
+        self._ws_root: Path  # made in run, once the reaper watches it
 
     def _ranked(
         self, engine: DataParallel, policy: Policy, store: RecordSink
@@ -218,9 +225,7 @@ class Batch:
 
         period = self.config.control_period
         controllers = [
-            Controller(
-                ranked.view(r), policy, stats(r), period, None, rank=r, on_line=store.add_control
-            )
+            Controller(ranked.view(r), policy, stats(r), period, rank=r, on_line=store.log_control)
             for r in range(ranks)
         ]
         return ranked, MultiController(ranked, controllers)
@@ -237,14 +242,19 @@ class Batch:
     async def run(self) -> Totals:
         for t in self.todo:
             self.gate.register(t.id)
-        self._ws_root.chmod(0o755)
         # Uids no other batch on this host uses while this one runs (tools/sandbox/uids.py);
         # a worker of a scaled-out run has its range from its run instead (uid_base); a
         # sandbox that starts no process as a uid (the simulator's) needs none
         if self.config.uid_base == AGENT_UID_BASE and isinstance(self.sandbox, Sandbox):
             self._uids = lease_uids(len(self.todo))
-        reaper = start_reaper(self._uids, self._ws_root)  # cleans up if we are killed
+        self._ws_root = self.config.workspace_root or Path(tempfile.mkdtemp(prefix="concur-ws-"))
+        # cleans up if we are killed; the workspaces' folder only after it has started, so
+        # that a kill at any moment leaves none
+        reaper = start_reaper(self._uids, self._ws_root)
         try:
+            remove_tree(self._ws_root)  # left by a killed run
+            self._ws_root.mkdir(parents=True)
+            self._ws_root.chmod(0o755)
             await self._run_all()
         except* (EngineDead, RunFolderWriteError) as group:
             raise _first_leaf(group) from None  # stops the batch; the rest runs on resume
@@ -254,7 +264,7 @@ class Batch:
             reaper.close()
             if self._uids is not None:
                 self._uids.close()
-        self.controller.step()  # a last control line with the final counts
+        await self.controller.tick()  # a last control line with the final counts
         return self.totals
 
     async def _run_all(self) -> None:
@@ -439,9 +449,8 @@ class Batch:
             log.exception("could not record agent %s in full", task.id)
             minimal = self._new_record(task, sampling)
             minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
-            self.store.add_trajectory(minimal)
-            self._count(minimal)
-            self._ended[task.id] = ("error", asyncio.get_running_loop().time() - t0)
+            minimal["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
+            await _uninterrupted(self._record(task, minimal, None, None))
 
     def _sampling(self, task: Task) -> SamplingParams:
         """The run's sampling with the task's overrides, the seed of this sample, and
@@ -470,8 +479,6 @@ class Batch:
         answer: str | None,
         t0: float,
     ) -> None:
-        if status == "error":
-            self.store.add_error({"kind": "agent", "task_id": task.id, "reason": reason})
         ev = eval_field(await self._evaluate(task, ctx) if agent is not None else None)
         record.update(status=status, reason=reason, answer=answer, eval=ev)
         if agent is not None:
@@ -492,11 +499,25 @@ class Batch:
             self._dispose(ctx.workspace)
         except OSError as e:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
-        if rollout is not None:  # before the trajectory line, which marks the agent done
-            self.store.add_record("rollouts.jsonl", rollout)
-        self.store.add_trajectory(record)
+        error = (
+            {"kind": "agent", "task_id": task.id, "reason": reason} if status == "error" else None
+        )
+        await _uninterrupted(self._record(task, record, rollout, error))
+
+    async def _record(
+        self,
+        task: Task,
+        record: dict[str, Any],
+        rollout: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+    ) -> None:
+        """Write a finished agent's lines (its error, its rollout, then the trajectory line
+        that marks it done) and count it."""
+        if error is not None:
+            await self.store.log_error(error)
+        await self.store.finish(record, {} if rollout is None else {"rollouts.jsonl": rollout})
         self._count(record)
-        self._ended[task.id] = (status, record["seconds"])
+        self._ended[task.id] = (record["status"], record["seconds"])
         # the budget it left unused is no longer ahead of the batch (the progress ETA)
         self._step_budget -= max(0, self._max_steps(task) - record.get("steps", 0))
 

@@ -1,5 +1,5 @@
 """The monitor: every control period, read the engine's signals, ask the policy, resize the gate,
-and log one line to control.jsonl.
+and hand one line to the run folder's writer (control.jsonl).
 
 H_t is sum(cached prompt tokens) / sum(prompt tokens) over the requests that FINISHED in the
 period. When none finished, H_t is None ("no evidence"): it is logged as null, and AIMD
@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import logging
 import statistics
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .engine import CacheStats
@@ -56,10 +54,9 @@ class Controller:
         policy: Policy,
         read_signals: Callable[[], CacheStats],
         period: float,
-        log_path: Path | None,
         clock: Callable[[], float] | None = None,
         rank: int | None = None,
-        on_line: Callable[[dict[str, Any]], None] | None = None,
+        on_line: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
         if period <= 0:
             raise ValueError(f"--control-period must be > 0 seconds, got {period!r}")
@@ -67,8 +64,7 @@ class Controller:
         self.policy = policy
         self.read_signals = read_signals
         self.period = period
-        self.log_path = log_path
-        self.on_line = on_line  # also handed each control line (the run folder's writer)
+        self.on_line = on_line  # awaited with each period's line (the run folder's writer)
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self.rank = rank  # the data-parallel rank this controller steers, if any
         self._tally = PeriodTally()
@@ -145,11 +141,22 @@ class Controller:
         self.stats.periods += 1
         self.stats.branches[decision.branch] = self.stats.branches.get(decision.branch, 0) + 1
         self.stats.last = line
-        if self.log_path is not None:
-            with self.log_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line) + "\n")
+        return line
+
+    async def tick(self) -> dict[str, Any] | None:
+        """One period, its line handed to `on_line` and returned (None: the period failed).
+        A failing period (an engine that cannot report its signals, a policy bug) is logged
+        and the window kept: that must never take the batch down. A line that cannot be
+        written (a full disk) is raised: the run folder is failing, and the batch stops on it
+        as on any other record it cannot write."""
+        try:
+            line = self.step()
+        except Exception:
+            rank = "" if self.rank is None else f" of DP rank {self.rank}"
+            log.exception("control period%s failed; the window stays at %d", rank, self.gate.window)
+            return None
         if self.on_line is not None:
-            self.on_line(line)
+            await self.on_line(line)
         return line
 
     def _shared_tokens(self) -> int | None:
@@ -158,15 +165,10 @@ class Controller:
         return first[(len(first) - 1) // 2] if first else None
 
     async def run(self) -> None:
-        """Runs until cancelled. A failing period (an engine that cannot report its signals,
-        a full disk for control.jsonl, a policy bug) is logged and the window kept: the
-        controller must never take the batch down."""
+        """Runs until cancelled (or the run folder fails: see tick)."""
         while True:
             await asyncio.sleep(self.period)
-            try:
-                self.step()
-            except Exception:
-                log.exception("control period failed; the window stays at %d", self.gate.window)
+            await self.tick()
 
     def summary(self) -> dict[str, Any]:
         w = self.stats.windows
@@ -211,14 +213,14 @@ class MultiController:
     def step(self) -> list[dict[str, Any]]:
         return [c.step() for c in self.controllers]
 
+    async def tick(self) -> None:
+        for c in self.controllers:
+            await c.tick()
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.period)
-            for c in self.controllers:
-                try:
-                    c.step()
-                except Exception:
-                    log.exception("control period of DP rank %s failed", c.rank)
+            await self.tick()
 
     def summary(self) -> dict[str, Any]:
         ranks = [c.summary() for c in self.controllers]

@@ -11,16 +11,25 @@
   (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
   renamed): it can be large.
 - errors.jsonl: bad task records and agent failures (one line each, what and where).
+- control.jsonl: one line per control period (not fsync'd: a lost last period loses no work).
 - summary.json, written to a temp file and renamed.
 
 A write that fails (disk full, I/O error) raises RunFolderWriteError naming the file and the
 free space, after cutting the file back to where it was (appends) or removing the temp file
 (replacements): what was reported written stays, nothing half-written is left. The batch
 stops on it (runner/session.py).
+
+During a batch every append runs on one writer thread of the store (`finish`, `log_error`,
+`log_control`, `off_loop`), never on the event loop: an fsync waits for the disk
+(milliseconds, far more on a busy or network disk) and would stall every agent and the gate
+meanwhile (bench/loop_lag.py, docs/outputs.md). One thread keeps the appends in order and
+one at a time, which the cut-back on failure needs; lines asked for while it writes go
+together next (group commit: still one write per line, one fsync per file per group).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -28,9 +37,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 FORMAT_VERSION = 2  # runner/records.py: FORMAT
 log = logging.getLogger("concur")
@@ -71,11 +84,23 @@ def _append(path: Path, record: dict[str, Any]) -> None:
     _append_many(path, [record])
 
 
-def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
+def _append_many(path: Path, records: list[dict[str, Any]], sync: bool = True) -> None:
     """Append lines, each with one write(), then one fsync for all of them (a driver writing
-    a worker's report: one sync per report, not per line). On failure the file is cut back
-    to where it was: the lines are either all there (and synced) or none is."""
-    if not records:
+    a worker's report: one sync per report, not per line; none when not `sync`). On failure
+    the file is cut back to where it was: the lines are either all there (and synced) or
+    none is. Blocks: on the event loop, go through RunStore.off_loop."""
+    _append_lines(path, [_line(r) for r in records], sync)
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON escape that
+    # reads back unchanged, instead of an error losing the record
+    return _dumps(record).encode("utf-8", "backslashreplace")
+
+
+def _append_lines(path: Path, lines: list[bytes], sync: bool) -> None:
+    """_append_many of lines already encoded."""
+    if not lines:
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -84,14 +109,12 @@ def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
     try:
         size = os.fstat(fd).st_size  # one writer per run folder (the lock): stays valid
         try:
-            for record in records:
-                # backslashreplace: a lone surrogate (models write "\ud800") becomes a JSON
-                # escape that reads back unchanged, instead of an error losing the record
-                line = _dumps(record).encode("utf-8", "backslashreplace")
+            for line in lines:
                 written = os.write(fd, line)  # one write per line: O_APPEND keeps it whole
                 while written < len(line):  # a short write (disk nearly full): finish it
                     written += os.write(fd, line[written:])
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)  # no torn line left behind
@@ -161,6 +184,55 @@ def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False, default=str) + "\n"
 
 
+async def _whole(job: asyncio.Future[T]) -> T:
+    """Await a write on the writer thread. Cancelled meanwhile, still wait for it to end
+    before the cancellation goes on: a thread cannot be stopped mid-write, and a line on
+    disk must be known (`finished`) before the batch stops and sums up."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
+
+
+@dataclass
+class _Commit:
+    lines: list[tuple[Path, dict[str, Any]]]  # in the order they must reach the disk
+    finished: dict[str, Any] | None  # the trajectory among them: an agent done once synced
+    done: asyncio.Future[None]
+
+
+def _write_group(group: list[_Commit]) -> list[Exception | None]:
+    """(On the writer thread.) The lines of several commits, file by file in the order the
+    files come in the commits (a rollout line before its trajectory line), each file's
+    lines written one by one and synced once (control.jsonl: not synced). A commit whose
+    line failed gets the error, and its later lines are not written; one that cannot be
+    encoded fails alone. -> per commit: None or its error."""
+    failed: list[Exception | None] = [None] * len(group)
+    encoded: dict[Path, list[tuple[int, bytes]]] = {}
+    for i, c in enumerate(group):
+        try:
+            lines = [(path, _line(rec)) for path, rec in c.lines]
+        except Exception as e:  # a record json cannot hold: that agent's, not the group's
+            failed[i] = e
+            continue
+        for path, line in lines:
+            encoded.setdefault(path, []).append((i, line))
+    for path in sorted(encoded, key=lambda p: _RANK.get(p.name, 1)):
+        todo = [(i, line) for i, line in encoded[path] if failed[i] is None]
+        try:
+            _append_lines(path, [line for _, line in todo], sync=path.name != "control.jsonl")
+        except RunFolderWriteError as e:
+            for i, _ in todo:
+                failed[i] = e
+    return failed
+
+
+# the order of files in a group commit: what must be on disk before the trajectory line that
+# marks an agent done (its error, its other record files) comes first
+_RANK = {"errors.jsonl": 0, "trajectories.jsonl": 2, "control.jsonl": 3}
+
+
 class RunFolderBusy(RuntimeError):
     """Another process is writing this run folder."""
 
@@ -186,6 +258,11 @@ class RunStore:
         self.control = root / "control.jsonl"
         self.log = root / "run.log"
         self.rollouts = root / "rollouts.jsonl"
+        # the one thread that writes during a batch (started on the first write), the lines
+        # waiting for it, whether it is writing a group of them (see _commit)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-folder")
+        self._waiting: list[_Commit] = []
+        self._committing = False
         self.repaired_bytes = (
             _repair(self.trajectories) + _repair(self.errors) + _repair(self.rollouts)
         )
@@ -337,16 +414,6 @@ class RunStore:
             write_json_atomic(meta, known)
         return known
 
-    def add_record(self, name: str, record: dict[str, Any]) -> None:
-        """One line of another record file of this folder (rollouts.jsonl), written before
-        its agent's trajectory line."""
-        self.append_records(name, [record])
-
-    def add_trajectory(self, record: dict[str, Any]) -> None:
-        record = {"format": FORMAT_VERSION, **record}
-        _append(self.trajectories, record)
-        self.finished[record["task_id"]] = record
-
     def add_error(self, record: dict[str, Any]) -> None:
         _append(self.errors, {"time": time.time(), **record})
 
@@ -371,10 +438,63 @@ class RunStore:
         self.add_error(record)
         return True
 
-    def add_control(self, line: dict[str, Any]) -> None:
+    async def off_loop(self, write: Callable[..., T], *args: Any) -> T:
+        """Run `write(*args)` (blocking run-folder writes) on the store's writer thread, in
+        turn with the other writes."""
+        return await _whole(asyncio.get_running_loop().run_in_executor(self._writer, write, *args))
+
+    async def finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
+        """A finished agent: its lines of other record files (`extra`: file name -> record,
+        e.g. its rollout), then its trajectory line, which marks it done."""
+        record = {"format": FORMAT_VERSION, **record}
+        lines = [(self._record_file(name), rec) for name, rec in extra.items()]
+        await self._commit([*lines, (self.trajectories, record)], finished=record)
+
+    async def log_error(self, record: dict[str, Any]) -> None:
+        await self._commit([(self.errors, {"time": time.time(), **record})])
+
+    async def log_control(self, line: dict[str, Any]) -> None:
         """One control period's line (not fsync'd: a lost last period loses no work)."""
-        with self.control.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        await self._commit([(self.control, line)])
+
+    async def _commit(
+        self, lines: list[tuple[Path, dict[str, Any]]], finished: dict[str, Any] | None = None
+    ) -> None:
+        """Append `lines` (in this order), on the writer thread. Lines asked for while the
+        thread writes go together once it is free (group commit): one write per line, one
+        fsync per file for the whole group, and each caller returns once its lines are
+        synced (or with the group's RunFolderWriteError: none of them counts as written)."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Commit(lines, finished, done))
+        if not self._committing:
+            self._next_group()
+        await _whole(done)
+
+    def _next_group(self) -> None:
+        group, self._waiting = self._waiting, []
+        self._committing = True
+        job = asyncio.get_running_loop().run_in_executor(self._writer, _write_group, group)
+        job.add_done_callback(lambda job: self._group_done(group, job))
+
+    def _group_done(
+        self, group: list[_Commit], job: asyncio.Future[list[Exception | None]]
+    ) -> None:
+        self._committing = False
+        try:
+            failures = job.result()
+        except BaseException as e:  # not a write error: the thread failed (a bug), all fail
+            failures = [e if isinstance(e, Exception) else RuntimeError(str(e))] * len(group)
+        for c, err in zip(group, failures, strict=True):
+            if err is None and c.finished is not None:
+                self.finished[c.finished["task_id"]] = c.finished
+            if c.done.done():
+                continue
+            if err is None:
+                c.done.set_result(None)
+            else:
+                c.done.set_exception(err)
+        if self._waiting:
+            self._next_group()
 
     def add_trajectories(self, records: list[dict[str, Any]]) -> None:
         """Several finished agents, synced once; each counts as finished only after."""
@@ -386,9 +506,12 @@ class RunStore:
     def append_records(self, name: str, records: list[dict[str, Any]]) -> None:
         """Lines of another record file of this folder (`name`: a plain *.jsonl file name),
         each written whole, synced once."""
+        _append_many(self._record_file(name), records)
+
+    def _record_file(self, name: str) -> Path:
         if "/" in name or not name.endswith(".jsonl") or name.startswith("."):
             raise ValueError(f"not a record file name of a run folder: {name!r}")
-        _append_many(self.root / name, records)
+        return self.root / name
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)

@@ -328,7 +328,7 @@ def test_eval_only_and_replay_from(tmp_path: Path, needs_bwrap) -> None:
         assert r["eval"]["solved"] == first[tid]["eval"]["solved"]
 
 
-def test_200_concurrent_sandboxed_calls(needs_bwrap) -> None:
+async def test_200_concurrent_sandboxed_calls(needs_bwrap) -> None:
     base = Path(tempfile.mkdtemp(prefix="concurrent-", dir="/tmp"))
     base.chmod(0o711)
     sb = BwrapSandbox()
@@ -354,7 +354,7 @@ def test_200_concurrent_sandboxed_calls(needs_bwrap) -> None:
             finally:
                 await sb.aclose()
 
-        results = asyncio.run(main())
+        results = await main()
         for c, o in zip(ctxs, results, strict=True):
             assert o.ok and o.text == f"ok {c.uid}\n[exit code 0]", o.text
     finally:

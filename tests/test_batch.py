@@ -37,7 +37,7 @@ class DeadEngine:
         return None
 
 
-def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
+async def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
     tasks = [
         Task(f"t{i}", [{"role": "user", "content": "hi"}], tools=["submit"]) for i in range(40)
     ]
@@ -52,7 +52,7 @@ def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_path):
         BatchConfig(control_period=0.05, git_base=False),
     )
     with pytest.raises(EngineDead, match=f"{ENGINE_FAILURE_LIMIT} agents in a row"):
-        asyncio.run(batch.run())
+        await batch.run()
     # the first failures are recorded (one failing request is an agent's error), the rest of
     # the batch is left unfinished for a later run, not turned into 40 error records
     errors = [r for r in store.finished.values() if r["status"] == "error"]

@@ -5,14 +5,20 @@ resumes and finishes every task exactly once. Needs root (mount) and the sandbox
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli
+from runner.toolcall import format_call
+
+from .conftest import ROOT, read_jsonl, run_cli
 
 N_TASKS = 30
 PROMPT = "x" * 40_000  # each record holds its prompt: ~40 KB a line
@@ -57,3 +63,52 @@ def test_disk_full_stops_cleanly_and_the_rerun_resumes(tmp_path, small_fs):
     assert summary["finished"] == N_TASKS and summary["this_session"][
         "agents_run"
     ] == N_TASKS - len(first)
+
+
+def fill(fs: Path) -> Path:
+    """Take every free byte of `fs` with one file (a tmpfs: page by page). -> that file."""
+    filler = fs / "filler"
+    with filler.open("wb", buffering=0) as f:
+        for chunk in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def test_a_control_line_that_cannot_be_written_stops_the_batch_once(tmp_path, small_fs):
+    """The disk fills while every agent is busy, so the first write that fails is a control
+    period's line: one error naming control.jsonl and the free space, a clean stop, exit 1
+    (before: a traceback every period while the batch went on)."""
+    tasks = tmp_path / "t.jsonl"
+    sleep = format_call("bash", {"command": "sleep 4"})
+    with tasks.open("w") as f:
+        for i in range(2):
+            f.write(json.dumps({"id": f"c-{i}", "prompt": "p", "replay": [sleep]}) + "\n")
+    out = small_fs / "out"
+    args = ["--tasks", str(tasks), "--out", str(out), "--engine", "replay", "--n-ctx", "100000"]
+    args += ["--policy", "agent-cap:2", "--control-period", "0.05"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "run.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "control.jsonl").exists():  # the batch runs, its agents sleep
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+        time.sleep(0.02)
+    filler = fill(small_fs)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "Logging error" not in stderr, stderr
+    assert stderr.count(f"cannot write {out}/control.jsonl") == 1, stderr
+    assert "MiB free on its filesystem" in stderr
+    assert "free space and run the same command to resume" in stderr
+    assert not (out / "trajectories.jsonl").exists()  # no agent got to finish
+    assert not [f for f in out.iterdir() if f.name.endswith(".tmp")]
+    assert (out / "control.jsonl").read_bytes().endswith(b"\n")  # no torn line
+    # space again: the rerun runs both agents to the end
+    filler.unlink()
+    run_cli(*args)
+    ids = sorted(r["task_id"] for r in read_jsonl(out / "trajectories.jsonl"))
+    assert ids == ["c-0", "c-1"]

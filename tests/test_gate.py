@@ -11,6 +11,7 @@ from runner.engine import CacheStats
 from runner.gate import Gate
 from runner.policies import AIMD, make_policy
 from runner.sim.vclock import run_virtual
+from runner.store import RunStore
 
 
 class FakeEngine:
@@ -203,14 +204,15 @@ def test_controller_logs_and_resizes(tmp_path):
         for k in "ABCDEF":
             gate.register(k)
         usage = iter([0.65, 0.45, 0.18])
+        store = RunStore(tmp_path)
         ctl = Controller(
-            gate, AIMD(), lambda: CacheStats(next(usage)), 1.0, tmp_path / "control.jsonl"
+            gate, AIMD(), lambda: CacheStats(next(usage)), 1.0, on_line=store.log_control
         )
         ctl.record(100, 15)
-        l1 = ctl.step()
+        l1 = await ctl.tick()
         ctl.record(100, 82)
-        l2 = ctl.step()
-        l3 = ctl.step()  # no request finished: H unknown
+        l2 = await ctl.tick()
+        l3 = await ctl.tick()  # no request finished: H unknown
         return l1, l2, l3, ctl
 
     l1, l2, l3, ctl = run_virtual(main())
@@ -295,7 +297,7 @@ def test_contexts_and_growth_signals(tmp_path):
         gate.finish("A")
         gate.finish("B")
         await asyncio.gather(c, d)
-        ctl = Controller(gate, make_policy("wset"), lambda: CacheStats(0.1, 1000), 1.0, None)
+        ctl = Controller(gate, make_policy("wset"), lambda: CacheStats(0.1, 1000), 1.0)
         ctl.record(500, 0, 500)  # a first request: nothing cached
         ctl.record(520, 300, 520)  # another agent's first request found 300 shared tokens
         ctl.record(700, 200, 150)  # 700 - 200 cached - 150 fresh = 350 recomputed

@@ -142,7 +142,7 @@ def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
 
 
 @pytest.mark.parametrize(("load", "sequences"), [(1, 400), (4, 800), (128, 400)])
-def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, sequences):
+async def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, sequences):
     monkeypatch.setattr(gate_order, "LOAD", load)
 
     async def main():
@@ -153,10 +153,10 @@ def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, seque
             for i, (r, g) in enumerate(zip(ref, got, strict=True)):
                 assert g == r, f"seed {seed}, step {i}: {g} != {r}"
 
-    asyncio.run(main())
+    await main()
 
 
-def test_fit_takes_the_clamp_only_where_a_context_is_below_the_shared_prefix(monkeypatch):
+async def test_fit_takes_the_clamp_only_where_a_context_is_below_the_shared_prefix(monkeypatch):
     # a block's lower bound goes stale (its smallest agent left, or grew); fit refreshes it
     # instead of taking the O(n) clamped walk for nothing
     monkeypatch.setattr(gate_order, "LOAD", 2)
@@ -174,4 +174,4 @@ def test_fit_takes_the_clamp_only_where_a_context_is_below_the_shared_prefix(mon
         with pytest.raises(ValueError, match="extra must be >= 0"):
             view.fit(1.0, -0.5)
 
-    asyncio.run(main())
+    await main()

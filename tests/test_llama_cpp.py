@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -55,13 +56,11 @@ def test_the_bindings_the_engine_calls_exist():
     assert isinstance(llama_cpp.Llama.ctx, property)
 
 
-@pytest.fixture(scope="module")
-def eng():
-    import asyncio
-
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def eng():
     e = LlamaCppEngine(n_ctx=1024, n_threads=2, cache_bytes=64 << 20)
     yield e
-    asyncio.run(e.aclose())
+    await e.aclose()
 
 
 def _gen(eng: LlamaCppEngine, ids: list[int], sp: SamplingParams):
@@ -165,10 +164,9 @@ def test_a_restored_state_generates_as_a_cold_context(eng):
 
 
 @pytest.mark.slow
-def test_a_context_overflow_inside_llama_cpp_is_a_permanent_context_limit():
+async def test_a_context_overflow_inside_llama_cpp_is_a_permanent_context_limit():
     """What llama-cpp-python raises past n_ctx (llama_decode returns 1: no KV slot) is a
     ContextLimitExceeded, failed at once; the engine serves the next request."""
-    import asyncio
 
     from runner import retries
     from runner.engine import ContextLimitExceeded
@@ -188,46 +186,49 @@ def test_a_context_overflow_inside_llama_cpp_is_a_permanent_context_limit():
         assert len(prompt) > 256
         policy = retries.RetryPolicy(initial_wait=0.01)
         with pytest.raises(ContextLimitExceeded, match="llama_decode returned 1") as err:
-            asyncio.run(retries.generate(e, prompt, GREEDY, "a", policy))
+            await retries.generate(e, prompt, GREEDY, "a", policy)
         assert calls == [1] and not retries.is_transient(err.value)
         e.context_limit = 256
         assert _gen(e, _prompt(e, "Hi."), GREEDY).output_ids
     finally:
-        asyncio.run(e.aclose())
+        await e.aclose()
+
+
+@pytest.fixture
+async def extras_engine():
+    e = LlamaCppEngine(n_ctx=256, n_threads=1, sampling_extra={"top_k": 5, "min_p": 0.1})
+    yield e
+    await e.aclose()
 
 
 @pytest.mark.slow
-def test_sampling_extras_are_checked_against_llama_generate(tmp_path, capsys):
-    import asyncio
-
+def test_sampling_extras_are_checked_against_llama_generate(tmp_path, capsys, extras_engine):
+    # a synchronous test: run.py's main below owns its event loop, as in production
     from runner.cli.main import main
     from runner.engine import SamplingCheck
 
-    e = LlamaCppEngine(n_ctx=256, n_threads=1, sampling_extra={"top_k": 5, "min_p": 0.1})
-    try:
-        assert isinstance(e, SamplingCheck)
-        e.check_sampling(GREEDY)
-        sent, real = [], e._llm.generate
+    e = extras_engine
+    assert isinstance(e, SamplingCheck)
+    e.check_sampling(GREEDY)
+    sent, real = [], e._llm.generate
 
-        def recorded(*args, **kwargs):
-            sent.append(kwargs)
-            return real(*args, **kwargs)
+    def recorded(*args, **kwargs):
+        sent.append(kwargs)
+        return real(*args, **kwargs)
 
-        e._llm.generate = recorded
-        _gen(e, _prompt(e, "Hi."), SamplingParams(temperature=0.7, max_new_tokens=2))
-        assert (sent[0]["top_k"], sent[0]["min_p"], sent[0]["temp"]) == (5, 0.1, 0.7)
-        e._llm.generate = real
-        for extra, message in (
-            ({"top_kk": 5}, r"--sampling-arg top_kk: .*\(did you mean top_k\?\)"),
-            ({"temp": 0.5}, "--sampling-arg temp: not a sampling parameter"),  # the engine's
-            ({"top_k": 2.5}, r"--sampling-arg top_k=2\.5: llama.cpp takes an int"),
-            ({"penalize_nl": 1}, "penalize_nl=1: llama.cpp takes a bool"),
-        ):
-            e._sampling_extra = extra
-            with pytest.raises(ValueError, match=message):
-                e.check_sampling(GREEDY)
-    finally:
-        asyncio.run(e.aclose())
+    e._llm.generate = recorded
+    _gen(e, _prompt(e, "Hi."), SamplingParams(temperature=0.7, max_new_tokens=2))
+    assert (sent[0]["top_k"], sent[0]["min_p"], sent[0]["temp"]) == (5, 0.1, 0.7)
+    e._llm.generate = real
+    for extra, message in (
+        ({"top_kk": 5}, r"--sampling-arg top_kk: .*\(did you mean top_k\?\)"),
+        ({"temp": 0.5}, "--sampling-arg temp: not a sampling parameter"),  # the engine's
+        ({"top_k": 2.5}, r"--sampling-arg top_k=2\.5: llama.cpp takes an int"),
+        ({"penalize_nl": 1}, "penalize_nl=1: llama.cpp takes a bool"),
+    ):
+        e._sampling_extra = extra
+        with pytest.raises(ValueError, match=message):
+            e.check_sampling(GREEDY)
     # through the command line: one error before any agent, exit 2
     path = tmp_path / "t.jsonl"
     path.write_text('{"id": "a", "prompt": "p"}\n')

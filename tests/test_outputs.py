@@ -3,7 +3,6 @@
 In-process batches on the replay engine with the null sandbox cover the formats and the
 export quickly; the CLI tests run real batches (bubblewrap; the llama.cpp one is slow)."""
 
-import asyncio
 import json
 import os
 import signal
@@ -81,14 +80,16 @@ TASKS = [
 ]
 
 
-def run_batch(out: Path, recs: list[dict], *, tok=None, samples: int = 1, rollouts: bool = True):
+async def run_batch(
+    out: Path, recs: list[dict], *, tok=None, samples: int = 1, rollouts: bool = True
+):
     tasks = expand_samples([validate(r) for r in recs], samples)
     engine = ReplayEngine(scripts_from_tasks(tasks), tokenizer=tok)
     store = RunStore(out)
     config = BatchConfig(
         control_period=0.05, git_base=False, rollouts=rollouts, tools=("bash", "submit")
     )
-    asyncio.run(Batch(tasks, engine, NullSandbox(), NoGate(), store, config).run())
+    await Batch(tasks, engine, NullSandbox(), NoGate(), store, config).run()
     store._lock.close()
     return engine.tokenizer
 
@@ -149,9 +150,9 @@ def by_id(path: Path) -> dict[str, dict]:
 # ---- in-process: formats, messages, rewards, tokens ---------------------------------------
 
 
-def test_records_follow_the_schema_and_tokens_are_exact(tmp_path):
+async def test_records_follow_the_schema_and_tokens_are_exact(tmp_path):
     out = tmp_path / "run"
-    tok = run_batch(out, TASKS)
+    tok = await run_batch(out, TASKS)
     check_schema(out)
     trajs, rolls = by_id(out / "trajectories.jsonl"), by_id(out / "rollouts.jsonl")
     assert set(trajs) == set(rolls) == {"calls", "graded"}
@@ -185,9 +186,9 @@ def test_records_follow_the_schema_and_tokens_are_exact(tmp_path):
     assert "could not run" in g["reward_error"]
 
 
-def test_sft_rows_render_back_to_the_engines_token_ids(tmp_path):
+async def test_sft_rows_render_back_to_the_engines_token_ids(tmp_path):
     out = tmp_path / "run"
-    tok = run_batch(out, TASKS, tok=ToolChatMLTokenizer())
+    tok = await run_batch(out, TASKS, tok=ToolChatMLTokenizer())
     check_schema(out)
     sft = tmp_path / "sft.jsonl"
     assert export_main([str(out), "--format", "sft", "--out", str(sft)]) == 0
@@ -237,9 +238,9 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k([{"task_id": "a", "eval": {"command": None}}]) is None
 
 
-def test_samples_are_distinct_agents_with_their_own_seeds(tmp_path):
+async def test_samples_are_distinct_agents_with_their_own_seeds(tmp_path):
     out = tmp_path / "run"
-    run_batch(out, TASKS, samples=3)
+    await run_batch(out, TASKS, samples=3)
     trajs = read_jsonl(out / "trajectories.jsonl")
     assert sorted(t["task_id"] for t in trajs) == sorted(
         f"{t}#{k}" for t in ("calls", "graded") for k in range(3)
@@ -254,9 +255,9 @@ def test_samples_are_distinct_agents_with_their_own_seeds(tmp_path):
 # ---- durability of rollouts --------------------------------------------------------------
 
 
-def test_a_rollout_without_its_trajectory_is_cut_on_open(tmp_path):
+async def test_a_rollout_without_its_trajectory_is_cut_on_open(tmp_path):
     out = tmp_path / "run"
-    run_batch(out, TASKS[:1])
+    await run_batch(out, TASKS[:1])
     rolls = (out / "rollouts.jsonl").read_text()
     orphan = json.loads(rolls.splitlines()[0])
     with (out / "rollouts.jsonl").open("a") as f:  # what a kill between the writes leaves
@@ -273,19 +274,19 @@ def test_a_rollout_without_its_trajectory_is_cut_on_open(tmp_path):
 # ---- loading runs together ----------------------------------------------------------------
 
 
-def _runs(tmp_path: Path) -> tuple[Path, Path]:
+async def _runs(tmp_path: Path) -> tuple[Path, Path]:
     """Two runs of different settings: one with eval (failing: the null sandbox runs
     nothing) and a tool-capable template; one without eval, 2 samples, no rollouts."""
     a, b = tmp_path / "a", tmp_path / "b"
     with_eval = [{**t, "eval": "true"} for t in TASKS]
-    run_batch(a, with_eval, tok=ToolChatMLTokenizer())
+    await run_batch(a, with_eval, tok=ToolChatMLTokenizer())
     no_eval = {**{k: v for k, v in TASKS[0].items() if k != "metadata"}, "max_steps": 1}
-    run_batch(b, [no_eval], samples=2, rollouts=False)
+    await run_batch(b, [no_eval], samples=2, rollouts=False)
     return a, b
 
 
-def test_runs_of_different_settings_load_together(tmp_path):
-    a, b = _runs(tmp_path)
+async def test_runs_of_different_settings_load_together(tmp_path):
+    a, b = await _runs(tmp_path)
     # a 20 MB+ trajectories file: many copies of a's records
     big = tmp_path / "big"
     big.mkdir()
@@ -325,8 +326,8 @@ def export(*args) -> int:
 
 @pytest.mark.parametrize("fmt", ["sft", "rl", "messages"])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ""])
-def test_every_format_and_kind_loads_with_datasets(tmp_path, fmt, suffix):
-    a, _ = _runs(tmp_path)
+async def test_every_format_and_kind_loads_with_datasets(tmp_path, fmt, suffix):
+    a, _ = await _runs(tmp_path)
     out = tmp_path / f"export{suffix}"
     assert export(a, "--format", fmt, "--out", out) == 0
     if suffix == "":
@@ -351,8 +352,8 @@ def test_every_format_and_kind_loads_with_datasets(tmp_path, fmt, suffix):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export-")] == []
 
 
-def test_filters_select_and_an_empty_selection_is_an_error(tmp_path, capsys):
-    a, b = _runs(tmp_path)
+async def test_filters_select_and_an_empty_selection_is_an_error(tmp_path, capsys):
+    a, b = await _runs(tmp_path)
     out = tmp_path / "all.jsonl"
     assert export(a, b, "--format", "messages", "--out", out) == 0
     assert len(read_jsonl(out)) == 4
@@ -382,8 +383,8 @@ def test_filters_select_and_an_empty_selection_is_an_error(tmp_path, capsys):
     assert len(read_jsonl(solved)) == 1
 
 
-def test_bad_input_is_a_clear_error_and_nothing_is_written(tmp_path, capsys):
-    a, b = _runs(tmp_path)
+async def test_bad_input_is_a_clear_error_and_nothing_is_written(tmp_path, capsys):
+    a, b = await _runs(tmp_path)
     cases = [
         ([tmp_path / "missing", "--format", "sft"], "no such run folder"),
         ([a, b, "--format", "rl"], "rollouts.jsonl does not exist"),
@@ -409,15 +410,15 @@ def test_bad_input_is_a_clear_error_and_nothing_is_written(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export-")] == []
 
 
-def test_push_to_hub_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
-    a, _ = _runs(tmp_path)
+async def test_push_to_hub_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    a, _ = await _runs(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert export(a, "--format", "sft", "--push-to-hub", "someone/data") == 1
     assert "--push-to-hub someone/data" in capsys.readouterr().err
 
 
-def test_export_is_a_subcommand_of_run_py(tmp_path):
-    a, _ = _runs(tmp_path)
+async def test_export_is_a_subcommand_of_run_py(tmp_path):
+    a, _ = await _runs(tmp_path)
     out = tmp_path / "sft.jsonl"
     p = run_cli("export", str(a), "--format", "sft", "--out", str(out))
     assert "2 sft rows" in p.stderr and len(read_jsonl(out)) == 2
@@ -528,7 +529,7 @@ def test_samples_after_sigkill_each_sample_completes_once(tmp_path, needs_bwrap)
 
 
 @pytest.mark.slow
-def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, needs_bwrap):
+async def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, needs_bwrap):
     from runner.engines.llama_cpp import LlamaCppEngine
 
     tasks = small_tasks(tmp_path / "t.jsonl", 2, max_steps=2)
@@ -557,13 +558,13 @@ def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, needs_b
             assert n_generated == trajs[tid]["completion_tokens"]
             assert len(lps) == len(rolls[tid]["response_mask"])
     finally:
-        asyncio.run(eng.aclose())
+        await eng.aclose()
 
 
-def test_the_report_reads_format_2_records(tmp_path):
+async def test_the_report_reads_format_2_records(tmp_path):
     from runner.report.load import reward, solved
 
     out = tmp_path / "run"
-    run_batch(out, TASKS)
+    await run_batch(out, TASKS)
     t = by_id(out / "trajectories.jsonl")["calls"]
     assert t["eval"]["command"] is None and reward(t) is None and solved(t) is None

@@ -1,6 +1,5 @@
 """Token in, token out with the real SmolLM2 tokenizer and engine."""
 
-import asyncio
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,7 +38,7 @@ class RecordingEngine:
         return self.inner.cache_stats()
 
 
-def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
+async def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
     root = Path(tempfile.mkdtemp(prefix="concur-test-"))
     root.chmod(0o755)  # per-agent uids must traverse it
 
@@ -72,7 +71,7 @@ def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
         return eng, agent, status
 
     try:
-        eng, agent, status = asyncio.run(main())
+        eng, agent, status = await main()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert len(eng.sent) >= 2, status

@@ -81,7 +81,7 @@ def test_large_batches_get_no_rows(tmp_path):
     ]
 
 
-def test_a_real_replay_batch_feeds_the_rows(tmp_path, needs_bwrap):
+async def test_a_real_replay_batch_feeds_the_rows(tmp_path, needs_bwrap):
     script = [call("bash", command="sleep 1; echo hi"), call("submit", answer="ok")]
     tasks = [Task(f"t{i}", [{"role": "user", "content": "go"}], max_steps=5) for i in range(3)]
     engine = ReplayEngine({t.id: list(script) for t in tasks})
@@ -97,7 +97,7 @@ def test_a_real_replay_batch_feeds_the_rows(tmp_path, needs_bwrap):
         await run
         seen.append(batch.status())
 
-    asyncio.run(main())
+    await main()
     states = {r.state for s in seen for r in s.rows}
     assert {"pending", "in tool", "done submitted"} <= states, states
     in_tool = [r for s in seen for r in s.rows if r.state == "in tool"]

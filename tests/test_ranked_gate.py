@@ -45,7 +45,7 @@ def make(ranks, window):
     ctl = MultiController(
         ranked,
         [
-            Controller(ranked.view(r), AIMD(), lambda r=r: eng.rank_stats(r), 1.0, None, rank=r)
+            Controller(ranked.view(r), AIMD(), lambda r=r: eng.rank_stats(r), 1.0, rank=r)
             for r in range(ranks)
         ],
     )

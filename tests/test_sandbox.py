@@ -51,11 +51,11 @@ def workspace(sb: Sandbox, base: Path, uid: int) -> Path:
     return ws
 
 
-def run(
+async def run(
     sb: Sandbox, base: Path, uid: int, command: str, stdin: str | None = None, **limits: Any
 ) -> ExecResult:
     ws = workspace(sb, base, uid)
-    return asyncio.run(sb.run(command, ws, uid, Limits(**limits), stdin=stdin))
+    return await sb.run(command, ws, uid, Limits(**limits), stdin=stdin)
 
 
 def procs_of(uid: int) -> str:
@@ -72,23 +72,23 @@ async def running(uid: int, what: str, within: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_echo_and_exit_codes(sb: BwrapSandbox, base: Path) -> None:
-    r = run(sb, base, UID + 1, "echo hello; echo oops >&2")
+async def test_echo_and_exit_codes(sb: BwrapSandbox, base: Path) -> None:
+    r = await run(sb, base, UID + 1, "echo hello; echo oops >&2")
     assert (r.exit_code, r.output, r.timed_out, r.truncated) == (0, "hello\noops\n", False, False)
     assert r.seconds < 5
-    assert run(sb, base, UID + 1, "exit 7").exit_code == 7
+    assert (await run(sb, base, UID + 1, "exit 7")).exit_code == 7
     # Not `kill -KILL $$`: the command is the namespace's pid 1, immune to its own signals.
-    assert run(sb, base, UID + 1, "bash -c 'kill -KILL $$'; exit $?").exit_code == 137
-    assert run(sb, base, UID + 1, "tr a-z A-Z", stdin="abc\n").output == "ABC\n"
+    assert (await run(sb, base, UID + 1, "bash -c 'kill -KILL $$'; exit $?")).exit_code == 137
+    assert (await run(sb, base, UID + 1, "tr a-z A-Z", stdin="abc\n")).output == "ABC\n"
 
 
-def test_cwd_env_and_ownership(
+async def test_cwd_env_and_ownership(
     sb: BwrapSandbox, base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     uid = UID + 2
     monkeypatch.setenv("SANDBOX_TEST_SECRET", "leaked")
     assert sb.WORKDIR == "/work" and sb.workdir(base) == "/work"
-    r = run(sb, base, uid, "pwd; id -u; id -G; echo hi > made.txt; mkdir d; env | sort")
+    r = await run(sb, base, uid, "pwd; id -u; id -G; echo hi > made.txt; mkdir d; env | sort")
     lines = r.output.splitlines()
     assert lines[:3] == ["/work", str(uid), str(uid)], r.output
     env = dict(line.split("=", 1) for line in lines[3:])
@@ -124,7 +124,7 @@ def test_prepare_workspace(sb: BwrapSandbox, base: Path) -> None:
         sb.prepare_workspace(closed / "ws", uid)
 
 
-def test_filesystem_confined(sb: BwrapSandbox, base: Path) -> None:
+async def test_filesystem_confined(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 4
     fd, host_tmp = tempfile.mkstemp(prefix="host-only-", dir="/tmp")
     os.close(fd)
@@ -142,17 +142,17 @@ def test_filesystem_confined(sb: BwrapSandbox, base: Path) -> None:
         echo shm > /dev/shm/x && echo shm-ok
     """
     try:
-        r = run(sb, base, uid, script)
+        r = await run(sb, base, uid, script)
         assert r.output == "private\nshm-ok\n", r.output
         assert not os.path.exists(inside_tmp)
     finally:
         os.unlink(host_tmp)
     # /tmp is a size-limited tmpfs: filling it fails instead of eating host memory.
-    r = run(sb, base, uid, "head -c 3000000 /dev/zero > /tmp/big", tmp_bytes=1 << 20)
+    r = await run(sb, base, uid, "head -c 3000000 /dev/zero > /tmp/big", tmp_bytes=1 << 20)
     assert r.exit_code != 0 and "No space left" in r.output
 
 
-def test_no_network(sb: BwrapSandbox, base: Path) -> None:
+async def test_no_network(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 5
     with socket.socket() as srv, socket.socket(socket.AF_UNIX) as usrv:
         srv.bind(("127.0.0.1", 0))
@@ -183,7 +183,7 @@ def test_no_network(sb: BwrapSandbox, base: Path) -> None:
                 print("blocked", type(e).__name__)
         """)
         )
-        r = run(sb, base, uid, "python3 net.py; ls /sys/class/net 2>/dev/null")
+        r = await run(sb, base, uid, "python3 net.py; ls /sys/class/net 2>/dev/null")
         with pytest.raises(BlockingIOError):
             srv.accept()
     assert r.exit_code in (0, 2), r.output
@@ -192,17 +192,17 @@ def test_no_network(sb: BwrapSandbox, base: Path) -> None:
     assert r.output.count("blocked") == 3, r.output
 
 
-def test_no_privileges(sb: BwrapSandbox, base: Path) -> None:
-    r = run(sb, base, UID + 6, "grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status")
+async def test_no_privileges(sb: BwrapSandbox, base: Path) -> None:
+    r = await run(sb, base, UID + 6, "grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status")
     assert "CapEff:\t0000000000000000" in r.output
     assert "CapBnd:\t0000000000000000" in r.output
     assert "NoNewPrivs:\t1" in r.output
     if shutil.which("unshare"):
-        r = run(sb, base, UID + 6, "unshare -U -r true && echo NESTED-USERNS")
+        r = await run(sb, base, UID + 6, "unshare -U -r true && echo NESTED-USERNS")
         assert "NESTED-USERNS" not in r.output and r.exit_code != 0
 
 
-def test_fork_bomb_contained(sb: BwrapSandbox, base: Path) -> None:
+async def test_fork_bomb_contained(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 7
     count = textwrap.dedent("""
         import os, time
@@ -216,39 +216,39 @@ def test_fork_bomb_contained(sb: BwrapSandbox, base: Path) -> None:
         except OSError as e:
             print(n, e.errno)
     """)
-    r = run(sb, base, uid, f"python3 -c '{count}'", nproc=24)
+    r = await run(sb, base, uid, f"python3 -c '{count}'", nproc=24)
     n, errno_ = map(int, r.output.split())
     assert n < 24 and errno_ == 11, r.output  # EAGAIN at the nproc limit
     assert procs_of(uid) == ""  # the 30 s sleepers died with the namespace
-    r = run(sb, base, uid, ":(){ :|:& };:; sleep 1", nproc=32, timeout_s=10)
+    r = await run(sb, base, uid, ":(){ :|:& };:; sleep 1", nproc=32, timeout_s=10)
     assert r.seconds < 10
     assert procs_of(uid) == ""
 
 
-def test_memory_bomb(sb: BwrapSandbox, base: Path) -> None:
+async def test_memory_bomb(sb: BwrapSandbox, base: Path) -> None:
     code = "x = []\nwhile True: x.append(bytearray(10**7))"
-    r = run(sb, base, UID + 8, f"python3 -c '{code}'", data_bytes=256 << 20)
+    r = await run(sb, base, UID + 8, f"python3 -c '{code}'", data_bytes=256 << 20)
     assert r.exit_code == 1 and "MemoryError" in r.output, r.output
-    r = run(sb, base, UID + 8, "python3 -c 'bytearray(4 << 30)'", data_bytes=256 << 20)
+    r = await run(sb, base, UID + 8, "python3 -c 'bytearray(4 << 30)'", data_bytes=256 << 20)
     assert "MemoryError" in r.output
 
 
-def test_cpu_limit(sb: BwrapSandbox, base: Path) -> None:
-    r = run(sb, base, UID + 9, "python3 -c 'while True: pass'", cpu_s=1)
+async def test_cpu_limit(sb: BwrapSandbox, base: Path) -> None:
+    r = await run(sb, base, UID + 9, "python3 -c 'while True: pass'", cpu_s=1)
     assert r.exit_code == 137 and not r.timed_out and r.seconds < 5
 
 
-def test_timeout_kills_everything(sb: BwrapSandbox, base: Path) -> None:
+async def test_timeout_kills_everything(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 10
     cmd = "setsid sleep 1000 & nohup sleep 1000 >/dev/null 2>&1 & sleep 1000"
-    r = run(sb, base, uid, cmd, timeout_s=1)
+    r = await run(sb, base, uid, cmd, timeout_s=1)
     assert r.timed_out and r.exit_code is None
     assert 1 <= r.seconds < 4
     assert procs_of(uid) == ""
 
 
-def test_output_flood_capped(sb: BwrapSandbox, base: Path) -> None:
-    r = run(sb, base, UID + 11, "head -c 50000000 /dev/zero | tr '\\0' a; echo done >&2")
+async def test_output_flood_capped(sb: BwrapSandbox, base: Path) -> None:
+    r = await run(sb, base, UID + 11, "head -c 50000000 /dev/zero | tr '\\0' a; echo done >&2")
     assert r.exit_code == 0 and r.truncated and not r.timed_out
     assert r.seconds < 10
     head, marker = r.output[: 32 * 1024], r.output[32 * 1024 :]
@@ -257,24 +257,24 @@ def test_output_flood_capped(sb: BwrapSandbox, base: Path) -> None:
     assert marker == f"\n[... output truncated: {dropped} more bytes not shown ...]"
 
 
-def test_file_size_limit(sb: BwrapSandbox, base: Path) -> None:
+async def test_file_size_limit(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 12
-    r = run(sb, base, uid, "head -c 5000000 /dev/zero > big", fsize_bytes=1 << 20)
+    r = await run(sb, base, uid, "head -c 5000000 /dev/zero > big", fsize_bytes=1 << 20)
     assert r.exit_code != 0
     assert (base / f"ws{uid}" / "big").stat().st_size <= 1 << 20
 
 
-def test_workspace_bound_flagged(sb: BwrapSandbox, base: Path) -> None:
+async def test_workspace_bound_flagged(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 13
-    r = run(sb, base, uid, "for i in 1 2 3; do head -c 1000000 /dev/zero > f$i; done")
+    r = await run(sb, base, uid, "for i in 1 2 3; do head -c 1000000 /dev/zero > f$i; done")
     assert r.exit_code == 0 and not r.workspace_over_limit
-    r = run(sb, base, uid, "true", workspace_bytes=2_000_000)
+    r = await run(sb, base, uid, "true", workspace_bytes=2_000_000)
     assert r.workspace_over_limit and "workspace over its size limit" in r.output
-    r = run(sb, base, uid, "rm f1 f2", workspace_bytes=2_000_000)
+    r = await run(sb, base, uid, "rm f1 f2", workspace_bytes=2_000_000)
     assert not r.workspace_over_limit and r.output == ""
 
 
-def test_cancel_kills_process_group(sb: BwrapSandbox, base: Path) -> None:
+async def test_cancel_kills_process_group(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 14
     ws = workspace(sb, base, uid)
 
@@ -290,10 +290,10 @@ def test_cancel_kills_process_group(sb: BwrapSandbox, base: Path) -> None:
             await asyncio.wait_for(sb.run("sleep 100", ws, uid), 0.3)
         assert procs_of(uid) == ""
 
-    asyncio.run(main())
+    await main()
 
 
-def test_aclose_kills_running(sb: BwrapSandbox, base: Path) -> None:
+async def test_aclose_kills_running(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 15
     ws = workspace(sb, base, uid)
 
@@ -307,10 +307,10 @@ def test_aclose_kills_running(sb: BwrapSandbox, base: Path) -> None:
         r = await task
         assert r.exit_code == 137 and not r.timed_out
 
-    asyncio.run(main())
+    await main()
 
 
-def test_concurrent_distinct_uids(sb: BwrapSandbox, base: Path) -> None:
+async def test_concurrent_distinct_uids(sb: BwrapSandbox, base: Path) -> None:
     uids = [UID + 100 + i for i in range(20)]
     spaces = {u: workspace(sb, base, u) for u in uids}
 
@@ -319,29 +319,31 @@ def test_concurrent_distinct_uids(sb: BwrapSandbox, base: Path) -> None:
             *(sb.run("sleep 0.3; echo ok $(id -u) > out; cat out", spaces[u], u) for u in uids)
         )
 
-    results = asyncio.run(main())
+    results = await main()
     for u, r in zip(uids, results, strict=True):
         assert (r.exit_code, r.output) == (0, f"ok {u}\n")
 
 
-def test_python_and_pytest_inside(sb: BwrapSandbox, base: Path) -> None:
+async def test_python_and_pytest_inside(sb: BwrapSandbox, base: Path) -> None:
     uid = UID + 16
     ws = workspace(sb, base, uid)
     (ws / "test_tiny.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
     os.chown(ws / "test_tiny.py", uid, uid)
-    r = run(sb, base, uid, "python3 -c 'import ssl, sqlite3, json, venv; print(\"imports ok\")'")
+    r = await run(
+        sb, base, uid, "python3 -c 'import ssl, sqlite3, json, venv; print(\"imports ok\")'"
+    )
     assert r.output == "imports ok\n", r.output
-    r = run(sb, base, uid, "python3 -m pytest -q test_tiny.py")
+    r = await run(sb, base, uid, "python3 -m pytest -q test_tiny.py")
     assert r.exit_code == 0 and "1 passed" in r.output, r.output
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/git"), reason="git is not installed")
-def test_git_inside(sb: BwrapSandbox, base: Path) -> None:
+async def test_git_inside(sb: BwrapSandbox, base: Path) -> None:
     cmd = (
         "echo hi > a.txt && git init -q && git add -A && "
         "git -c user.email=a@b -c user.name=a commit -qm x && echo more >> a.txt && git diff"
     )
-    r = run(sb, base, UID + 17, cmd)
+    r = await run(sb, base, UID + 17, cmd)
     assert r.exit_code == 0 and "+more" in r.output, r.output
 
 
@@ -354,14 +356,14 @@ def test_probe_and_make_sandbox() -> None:
     assert AGENT_UID_BASE == 200000
 
 
-def test_none_mode(base: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_none_mode(base: Path, caplog: pytest.LogCaptureFixture) -> None:
     uid = UID + 18
     with caplog.at_level(logging.WARNING, logger="concur.sandbox"):
         sb = make_sandbox("none")
     assert isinstance(sb, UnsandboxedSandbox) and sb.mode == "none"
     assert any("SANDBOX DISABLED" in rec.getMessage() for rec in caplog.records)
     ws = workspace(sb, base, uid)
-    r = run(sb, base, uid, "pwd; id -u; echo $HOME; ulimit -u; setsid sleep 100 & echo bg")
+    r = await run(sb, base, uid, "pwd; id -u; echo $HOME; ulimit -u; setsid sleep 100 & echo bg")
     assert r.output.splitlines() == [str(ws), str(uid), str(ws), "64", "bg"], r.output
     assert sb.workdir(ws) == str(ws)
     # The per-uid sweep after the command killed the setsid escapee (zombies may remain
@@ -370,14 +372,14 @@ def test_none_mode(base: Path, caplog: pytest.LogCaptureFixture) -> None:
         ["ps", "-o", "stat=", "-u", str(uid)], capture_output=True, text=True
     ).stdout.split()
     assert all(s.startswith("Z") for s in states), states
-    r = run(sb, base, uid, "sleep 100", timeout_s=0.5)
+    r = await run(sb, base, uid, "sleep 100", timeout_s=0.5)
     assert r.timed_out and r.exit_code is None and r.seconds < 3
 
 
-def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Path) -> None:
+async def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Path) -> None:
     # 1,100 nested directories: deeper than Python's recursion limit and than the walk bound
     uid = UID + 40
-    r = run(sb, base, uid, "for i in $(seq 1100); do mkdir d && cd d; done; echo made")
+    r = await run(sb, base, uid, "for i in $(seq 1100); do mkdir d && cd d; done; echo made")
     assert r.workspace_over_limit  # too deep to walk: counts as over (and the watch kills it)
     deep = base / f"ws{uid}"
     # the whole 1,100 levels on the host too, in one process (a mkdir per level took 31 s on
@@ -389,7 +391,7 @@ def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Pat
     assert not deep.exists()
     # every hard-link name costs a block: 2,000 links to one byte are 8 MB, not 1 byte
     uid = UID + 41
-    r = run(
+    r = await run(
         sb,
         base,
         uid,
@@ -399,9 +401,9 @@ def test_deep_and_linked_trees_are_bounded_not_fatal(sb: BwrapSandbox, base: Pat
     assert r.workspace_over_limit
 
 
-def test_no_pseudo_terminals(sb: BwrapSandbox, base: Path) -> None:
+async def test_no_pseudo_terminals(sb: BwrapSandbox, base: Path) -> None:
     # all sandboxes share the kernel's pty pool: none may take from it
-    r = run(sb, base, UID + 42, "python3 -c 'import os; os.openpty()' 2>&1; echo done")
+    r = await run(sb, base, UID + 42, "python3 -c 'import os; os.openpty()' 2>&1; echo done")
     assert "PermissionError" in r.output and "done" in r.output
 
 
@@ -423,7 +425,9 @@ def test_move_tree_keeps_owner_and_never_follows_links(base: Path, tmp_path: Pat
         remove_tree(other)
 
 
-def test_agent_memory_is_bounded_shared_mappings_included(sb: BwrapSandbox, base: Path) -> None:
+async def test_agent_memory_is_bounded_shared_mappings_included(
+    sb: BwrapSandbox, base: Path
+) -> None:
     # RLIMIT_DATA ignores MAP_SHARED: only the agent's memory cgroup stops this
     if not (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()):
         pytest.fail("this machine has no cgroup v1 memory controller; the test needs one")
@@ -431,7 +435,7 @@ def test_agent_memory_is_bounded_shared_mappings_included(sb: BwrapSandbox, base
         "import mmap\nm = mmap.mmap(-1, 1 << 30)\n"
         "for i in range(0, 1 << 30, 4096): m[i] = 1\nprint('survived')\n"
     )
-    r = run(sb, base, UID + 44, "python3 -; echo rc=$?", stdin=code, memory_bytes=256 * 2**20)
+    r = await run(sb, base, UID + 44, "python3 -; echo rc=$?", stdin=code, memory_bytes=256 * 2**20)
     assert "survived" not in r.output and "rc=137" in r.output
-    r = run(sb, base, UID + 44, "echo fine")  # the agent goes on after the kill
+    r = await run(sb, base, UID + 44, "echo fine")  # the agent goes on after the kill
     assert r.output.strip() == "fine"

@@ -59,10 +59,6 @@ from tools.submit import Submit
 SP = SamplingParams(temperature=0.6, top_p=0.95, max_new_tokens=64, stop=("</tool_call>",))
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 @pytest.fixture(autouse=True)
 def _restore_env(monkeypatch):
     """sessions=True may set SGLANG_ENABLE_UNIFIED_RADIX_TREE; undo it after each test."""
@@ -202,11 +198,11 @@ def test_parse_engine_args_duplicates():
 # ---- generation -------------------------------------------------------------------------
 
 
-def test_ids_sent_are_exactly_the_ids_given_and_output_ids_come_back(monkeypatch):
+async def test_ids_sent_are_exactly_the_ids_given_and_output_ids_come_back(monkeypatch):
     eng, fk = make(monkeypatch, config={"replies": [Reply("hello")]})
     ids = eng.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     before = list(ids)
-    gen = run(eng.generate(ids, SP))
+    gen = await eng.generate(ids, SP)
     assert fk.calls[0]["input_ids"] == before and ids == before  # sent as given, not mutated
     assert gen.output_ids == [*eng.tokenizer.encode("hello"), EOT_ID]  # EOS kept
     assert gen.text == "hello"
@@ -215,9 +211,9 @@ def test_ids_sent_are_exactly_the_ids_given_and_output_ids_come_back(monkeypatch
     assert gen.seconds == 0.05  # meta_info["e2e_latency"]
 
 
-def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
+async def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
     eng, fk = make(monkeypatch, sampling_extra={"top_k": 20, "repetition_penalty": 1.1})
-    run(eng.generate([200, 201, 202], SP))
+    await eng.generate([200, 201, 202], SP)
     call = fk.calls[0]
     assert call["sampling_params"] == {
         "max_new_tokens": 64,
@@ -235,10 +231,10 @@ def test_sampling_params_mapped_and_no_logprob_options(monkeypatch):
     assert call["stream"] is False and call["prompt"] is None
 
 
-def test_logprobs_asked_for_come_back_one_per_output_token(monkeypatch):
+async def test_logprobs_asked_for_come_back_one_per_output_token(monkeypatch):
     eng, fk = make(monkeypatch, config={"replies": [Reply("hi"), Reply("yo")]})
     sp = SamplingParams(max_new_tokens=16, logprobs=True)
-    gen = run(eng.generate([200, 201], sp))
+    gen = await eng.generate([200, 201], sp)
     call = fk.calls[0]
     assert call["return_logprob"] is True
     # only return_logprob: a logprob_start_len inside the prompt would cap the prefix match
@@ -246,11 +242,11 @@ def test_logprobs_asked_for_come_back_one_per_output_token(monkeypatch):
     assert call["token_ids_logprob"] is None
     assert gen.output_ids == [*eng.tokenizer.encode("hi"), EOT_ID]
     assert gen.output_logprobs == [fake_logprob(t) for t in gen.output_ids]
-    plain = run(eng.generate([200, 201, 202], SP))  # not asked: none sent, none given
+    plain = await eng.generate([200, 201, 202], SP)  # not asked: none sent, none given
     assert fk.calls[1]["return_logprob"] is False and plain.output_logprobs is None
 
 
-def test_logprobs_that_do_not_match_the_output_fail_the_request(monkeypatch):
+async def test_logprobs_that_do_not_match_the_output_fail_the_request(monkeypatch):
     handle = install_fake_sglang(monkeypatch)
 
     class Short(handle.engine_class):
@@ -261,11 +257,11 @@ def test_logprobs_that_do_not_match_the_output_fail_the_request(monkeypatch):
 
     eng = SGLangEngine("m", engine_factory=Short)
     with pytest.raises(EngineError, match="output logprobs for 3 output tokens"):
-        run(eng.generate([200], SamplingParams(logprobs=True)))
+        await eng.generate([200], SamplingParams(logprobs=True))
     assert eng.cache_stats().extra["failed"] == 1
 
 
-def test_logprobs_refused_where_async_generate_cannot_return_them(monkeypatch):
+async def test_logprobs_refused_where_async_generate_cannot_return_them(monkeypatch):
     handle = install_fake_sglang(monkeypatch)
 
     class Old(handle.engine_class):
@@ -275,14 +271,14 @@ def test_logprobs_refused_where_async_generate_cannot_return_them(monkeypatch):
     eng = SGLangEngine("m", engine_factory=Old)
     assert isinstance(eng, TokenLogprobs) and not eng.gives_logprobs
     with pytest.raises(EngineError, match="return_logprob"):
-        run(eng.generate([200], SamplingParams(logprobs=True)))
-    assert run(eng.generate([200], SP)).output_logprobs is None
+        await eng.generate([200], SamplingParams(logprobs=True))
+    assert (await eng.generate([200], SP)).output_logprobs is None
 
 
-def test_a_sampling_key_sglang_rejects_fails_the_request(monkeypatch):
+async def test_a_sampling_key_sglang_rejects_fails_the_request(monkeypatch):
     eng, _ = make(monkeypatch, sampling_extra={"topk": 20})  # a typo of top_k
     with pytest.raises(EngineError, match="Unexpected keyword argument 'topk'"):
-        run(eng.generate([200], SP))
+        await eng.generate([200], SP)
 
 
 def test_sampling_is_checked_once_through_sglangs_own_sampling_params(monkeypatch):
@@ -315,11 +311,11 @@ CALL_SCHEMA = {
 }
 
 
-def test_tool_call_schema_becomes_one_structural_tag(monkeypatch):
+async def test_tool_call_schema_becomes_one_structural_tag(monkeypatch):
     eng, fk = make(monkeypatch)
     sp = SamplingParams(max_new_tokens=32, tool_call_schema=json.dumps(CALL_SCHEMA))
-    run(eng.generate([200, 201], sp))
-    run(eng.generate([200, 201, 202], sp))
+    await eng.generate([200, 201], sp)
+    await eng.generate([200, 201, 202], sp)
     first, second = (c["sampling_params"] for c in fk.calls)
     assert json.loads(first["structural_tag"]) == {
         "type": "structural_tag",
@@ -333,17 +329,17 @@ def test_tool_call_schema_becomes_one_structural_tag(monkeypatch):
     assert first["structural_tag"] is second["structural_tag"]  # built once per schema
     assert isinstance(eng, ConstrainedDecoding)
     # without a schema nothing constrains the reply
-    run(eng.generate([200], SP))
+    await eng.generate([200], SP)
     assert "structural_tag" not in fk.calls[-1]["sampling_params"]
 
 
-def test_a_second_constraint_from_sampling_args_is_refused(monkeypatch):
+async def test_a_second_constraint_from_sampling_args_is_refused(monkeypatch):
     eng, fk = make(monkeypatch, sampling_extra={"regex": "[a-z]+"})
     sp = SamplingParams(tool_call_schema=json.dumps(CALL_SCHEMA))
     with pytest.raises(EngineError, match="--sampling-arg regex"):
-        run(eng.generate([200, 201], sp))
+        await eng.generate([200, 201], sp)
     assert not fk.calls  # refused before anything reached the engine
-    run(eng.generate([200, 201], SP))  # unconstrained requests still carry the extra
+    await eng.generate([200, 201], SP)  # unconstrained requests still carry the extra
     assert fk.calls[-1]["sampling_params"]["regex"] == "[a-z]+"
 
 
@@ -358,33 +354,33 @@ def test_capabilities_are_the_protocols(monkeypatch):
     assert not hasattr(eng, "constrains_tool_calls")
 
 
-def test_stop_string_reply_keeps_its_tokens_and_is_not_an_eos(monkeypatch):
+async def test_stop_string_reply_keeps_its_tokens_and_is_not_an_eos(monkeypatch):
     call = '<tool_call>{"name": "submit", "arguments": {}}</tool_call>'
     eng, _ = make(monkeypatch, config={"replies": [Reply(call + " trailing")]})
-    gen = run(eng.generate([300, 301], SP))
+    gen = await eng.generate([300, 301], SP)
     assert gen.text == call  # decoded from output_ids: the stop string is in them
     assert gen.output_ids == eng.tokenizer.encode(call)
     assert gen.finish_reason == "stop" and not gen.stopped_on_eos
 
 
-def test_length_finish(monkeypatch):
+async def test_length_finish(monkeypatch):
     eng, _ = make(monkeypatch, config={"replies": [Reply("x" * 100)]})
-    gen = run(eng.generate([300, 301], SamplingParams(max_new_tokens=10)))
+    gen = await eng.generate([300, 301], SamplingParams(max_new_tokens=10))
     assert gen.finish_reason == "length" and len(gen.output_ids) == 10
     assert not gen.stopped_on_eos
 
 
-def test_prefix_cache_accounting_and_hicache_split(monkeypatch):
+async def test_prefix_cache_accounting_and_hicache_split(monkeypatch):
     eng, _ = make(
         monkeypatch,
         engine_args={"enable_hierarchical_cache": True},
         config={"host_fraction": 0.25},
     )
     ids = list(range(200, 240))
-    g1 = run(eng.generate(ids, SP))
+    g1 = await eng.generate(ids, SP)
     assert g1.cached_tokens == 0 and g1.cached_host_tokens == 0
     ids2 = ids + g1.output_ids + list(range(400, 420))
-    g2 = run(eng.generate(ids2, SP))
+    g2 = await eng.generate(ids2, SP)
     hit = len(ids) + len(g1.output_ids)
     assert g2.prompt_tokens == len(ids2) and g2.cached_tokens == hit
     assert g2.cached_host_tokens == int(hit * 0.25)  # cached_tokens_details["host"]
@@ -393,17 +389,17 @@ def test_prefix_cache_accounting_and_hicache_split(monkeypatch):
     assert extra["cached_tokens"] == hit and extra["cached_host_tokens"] == int(hit * 0.25)
 
 
-def test_no_details_without_hicache(monkeypatch):
+async def test_no_details_without_hicache(monkeypatch):
     eng, _ = make(monkeypatch)
-    run(eng.generate([200, 201, 202], SP))
-    g = run(eng.generate([200, 201, 202, 203], SP))
+    await eng.generate([200, 201, 202], SP)
+    g = await eng.generate([200, 201, 202, 203], SP)
     assert g.cached_tokens == 3 and g.cached_host_tokens == 0
 
 
-def test_abort_is_an_engine_error(monkeypatch):
+async def test_abort_is_an_engine_error(monkeypatch):
     eng, _ = make(monkeypatch, config={"replies": [Abort("The request queue is full.")]})
     with pytest.raises(EngineError, match="queue is full") as e:
-        run(eng.generate([200, 201], SP))
+        await eng.generate([200, 201], SP)
     assert not isinstance(e.value, ContextLimitExceeded)
     assert eng.cache_stats().extra["aborted"] == 1
 
@@ -433,16 +429,16 @@ TOO_LONG = "Input length (9000 tokens) exceeds the maximum allowed length (8192 
         (Abort("no such adapter", status_code=404, returned=True), EngineError),
     ],
 )
-def test_aborts_and_failures_are_transient_or_permanent(monkeypatch, reply, kind):
+async def test_aborts_and_failures_are_transient_or_permanent(monkeypatch, reply, kind):
     eng, _ = make(monkeypatch, config={"replies": [reply]})
     with pytest.raises(EngineError) as e:
-        run(eng.generate([200, 201], SP))
+        await eng.generate([200, 201], SP)
     assert type(e.value) is kind
     assert is_transient(e.value) == (kind is TransientEngineError)
     assert eng.cache_stats().extra["transient"] == (kind is TransientEngineError)
 
 
-def test_engine_exceptions_become_engine_errors(monkeypatch):
+async def test_engine_exceptions_become_engine_errors(monkeypatch):
     class Unknown(Exception):  # anything else the tokenizer manager may raise
         pass
 
@@ -452,7 +448,7 @@ def test_engine_exceptions_become_engine_errors(monkeypatch):
     )
     for _ in range(3):
         with pytest.raises(EngineError) as e:
-            run(eng.generate([200, 201], SP))
+            await eng.generate([200, 201], SP)
         assert type(e.value) is EngineError  # permanent: not retried
 
 
@@ -494,19 +490,19 @@ def test_a_batch_fails_permanent_refusals_at_once(monkeypatch, tmp_path):
     assert summary["engine_retries"] == 0 and len(fk.calls) == 2  # never sent again
 
 
-def test_context_limit(monkeypatch):
+async def test_context_limit(monkeypatch):
     eng, fk = make(monkeypatch, config={"context_len": 100})
     with pytest.raises(ContextLimitExceeded):
-        run(eng.generate(list(range(200, 300)), SP))  # prompt alone fills the context
+        await eng.generate(list(range(200, 300)), SP)  # prompt alone fills the context
     assert fk.calls == []  # checked before sending
-    g = run(eng.generate(list(range(200, 290)), SP))  # max_new clamped to the room left
+    g = await eng.generate(list(range(200, 290)), SP)  # max_new clamped to the room left
     assert fk.calls[-1]["sampling_params"]["max_new_tokens"] == 10
     assert g.prompt_tokens == 90
     with pytest.raises(ContextLimitExceeded):  # at tokenizer_manager.max_req_input_len
-        run(eng.generate(list(range(200, 299)), SP))
+        await eng.generate(list(range(200, 299)), SP)
 
 
-def test_sglang_context_refusal_maps_to_context_limit(monkeypatch):
+async def test_sglang_context_refusal_maps_to_context_limit(monkeypatch):
     eng, _ = make(
         monkeypatch,
         config={
@@ -519,16 +515,16 @@ def test_sglang_context_refusal_maps_to_context_limit(monkeypatch):
         },
     )
     with pytest.raises(ContextLimitExceeded):
-        run(eng.generate([200, 201], SP))
+        await eng.generate([200, 201], SP)
 
 
-def test_empty_prompt_and_closed_engine(monkeypatch):
+async def test_empty_prompt_and_closed_engine(monkeypatch):
     eng, _ = make(monkeypatch)
     with pytest.raises(EngineError, match="empty"):
-        run(eng.generate([], SP))
-    run(eng.aclose())
+        await eng.generate([], SP)
+    await eng.aclose()
     with pytest.raises(EngineError, match="shut down"):
-        run(eng.generate([200], SP))
+        await eng.generate([200], SP)
 
 
 # ---- the tokenizer ----------------------------------------------------------------------
@@ -576,7 +572,7 @@ class Echo:
         return Observation(f"echo: {args['text']}")
 
 
-def test_agent_loop_token_in_token_out(monkeypatch, tmp_path: Path):
+async def test_agent_loop_token_in_token_out(monkeypatch, tmp_path: Path):
     replies = [
         Reply('I will echo. <tool_call>{"name": "echo", "arguments": {"text": "hi"}}'),
         Reply('<tool_call>{"name": "submit", "arguments": {"answer": "done"}}'),
@@ -596,7 +592,7 @@ def test_agent_loop_token_in_token_out(monkeypatch, tmp_path: Path):
         )
         return agent, await agent.run()
 
-    agent, (status, _, answer) = run(main())
+    agent, (status, _, answer) = await main()
     assert (status, answer) == ("submitted", "done")
     sent = [c["input_ids"] for c in fk.calls]
     assert len(sent) == 2
@@ -640,7 +636,7 @@ def test_usage_before_any_snapshot(monkeypatch):
     assert stats.usage is None and stats.extra["usage_note"] == "no load snapshot yet"
 
 
-def test_usage_fallback_polls_get_loads_in_the_background(monkeypatch):
+async def test_usage_fallback_polls_get_loads_in_the_background(monkeypatch):
     eng, fk = make(monkeypatch, config={"legacy_loads": True}, loads_refresh_s=0.01)
     tm = fk.tokenizer_manager
     assert not hasattr(tm, "load_snapshot_reader")
@@ -660,7 +656,7 @@ def test_usage_fallback_polls_get_loads_in_the_background(monkeypatch):
         await eng.aclose()
         return first, got, later
 
-    first, got, later = run(main())
+    first, got, later = await main()
     assert first.usage is None
     assert got.usage == 0.3 and got.extra["usage_source"] == "get_loads"
     assert later.usage == 0.7
@@ -668,18 +664,18 @@ def test_usage_fallback_polls_get_loads_in_the_background(monkeypatch):
     assert eng._loads._poller is None  # cancelled by aclose
 
 
-def test_cache_stats_extra_is_json_serialisable(monkeypatch):
+async def test_cache_stats_extra_is_json_serialisable(monkeypatch):
     import json
 
     eng, _ = make(monkeypatch, dp_size=2, sessions=True)
-    run(eng.generate([200, 201], SP, agent="a"))
+    await eng.generate([200, 201], SP, agent="a")
     json.dumps(eng.cache_stats().extra)
 
 
 # ---- sessions, DP ranks, priority ---------------------------------------------------------
 
 
-def test_sessions_one_stable_id_per_agent_closed_once(monkeypatch):
+async def test_sessions_one_stable_id_per_agent_closed_once(monkeypatch):
     eng, fk = make(monkeypatch, sessions=True)
     assert fk.kwargs["enable_session_radix_cache"] is True
     tm = fk.tokenizer_manager
@@ -694,7 +690,7 @@ def test_sessions_one_stable_id_per_agent_closed_once(monkeypatch):
         assert eng.cache_stats().extra["sessions_open"] == 1
         await eng.aclose()  # closes b
 
-    run(main())
+    await main()
     sids = [c["session_id"] for c in fk.calls]
     a, b = sids[0], sids[1]
     assert a != b and sids[:6] == [a, b] * 3 and sids[6] is None
@@ -703,7 +699,7 @@ def test_sessions_one_stable_id_per_agent_closed_once(monkeypatch):
     assert tm.opened == []  # radix-native sessions open implicitly with the first request
 
 
-def test_session_survives_a_new_agent_with_the_same_key(monkeypatch):
+async def test_session_survives_a_new_agent_with_the_same_key(monkeypatch):
     eng, fk = make(monkeypatch, sessions=True)
 
     async def main():
@@ -712,14 +708,14 @@ def test_session_survives_a_new_agent_with_the_same_key(monkeypatch):
         await eng.generate([200], SP, agent="a")  # reopened implicitly (new generation)
         await eng.end_agent("a")
 
-    run(main())
+    await main()
     assert fk.tokenizer_manager.closed == [fk.calls[0]["session_id"]] * 2
 
 
-def test_sessions_off_sends_no_session(monkeypatch):
+async def test_sessions_off_sends_no_session(monkeypatch):
     eng, fk = make(monkeypatch)
-    run(eng.generate([200], SP, agent="a"))
-    run(eng.end_agent("a"))
+    await eng.generate([200], SP, agent="a")
+    await eng.end_agent("a")
     assert fk.calls[0]["session_id"] is None and fk.tokenizer_manager.closed == []
     assert "enable_session_radix_cache" not in fk.kwargs
 
@@ -777,7 +773,7 @@ def test_sessions_refused_when_async_generate_lacks_session_id(monkeypatch):
         SGLangEngine("m", sessions=True, engine_factory=Old)
 
 
-def test_sticky_dp_ranks_round_robin(monkeypatch):
+async def test_sticky_dp_ranks_round_robin(monkeypatch):
     eng, fk = make(monkeypatch, dp_size=3)
 
     async def main():
@@ -786,17 +782,17 @@ def test_sticky_dp_ranks_round_robin(monkeypatch):
                 await eng.generate([200], SP, agent=key)
         return {k: eng.rank_of(k) for k in "abcd"}
 
-    ranks = run(main())
+    ranks = await main()
     assert ranks == {"a": 0, "b": 1, "c": 2, "d": 0}
     assert [c["routed_dp_rank"] for c in fk.calls] == [0, 1, 2, 0] * 2  # kept for life
     stats = eng.cache_stats()
     assert stats.extra["agents_per_rank"] == [2, 1, 1]
     assert stats.extra["dp_rank_mismatch"] == 0
-    run(eng.end_agent("a"))
+    await eng.end_agent("a")
     assert eng.rank_of("a") is None and eng.cache_stats().extra["agents_per_rank"] == [1, 1, 1]
 
 
-def test_sticky_dp_ranks_least_loaded(monkeypatch):
+async def test_sticky_dp_ranks_least_loaded(monkeypatch):
     eng, fk = make(monkeypatch, dp_size=2, dp_assign="least_loaded")
     snaps = fk.tokenizer_manager.load_snapshot_reader.snapshots
     snaps[0].token_usage, snaps[1].token_usage = 0.6, 0.1
@@ -808,25 +804,25 @@ def test_sticky_dp_ranks_least_loaded(monkeypatch):
         await eng.generate([200], SP, agent="c")  # rank 1 free again -> 1
         await eng.generate([200], SP, agent="b")
 
-    run(main())
+    await main()
     assert [c["routed_dp_rank"] for c in fk.calls] == [1, 0, 1, 0]
 
 
-def test_assign_rank_before_the_first_request(monkeypatch):
+async def test_assign_rank_before_the_first_request(monkeypatch):
     eng, fk = make(monkeypatch, dp_size=2)
     assert eng.assign_rank("a") == 0 and eng.assign_rank("b") == 1
     assert eng.assign_rank("a") == 0  # sticky
-    run(eng.generate([200], SP, agent="b"))
+    await eng.generate([200], SP, agent="b")
     assert fk.calls[0]["routed_dp_rank"] == 1
 
 
-def test_no_dp_no_rank(monkeypatch):
+async def test_no_dp_no_rank(monkeypatch):
     eng, fk = make(monkeypatch)
-    run(eng.generate([200], SP, agent="a"))
+    await eng.generate([200], SP, agent="a")
     assert fk.calls[0]["routed_dp_rank"] is None and eng.rank_of("a") is None
 
 
-def test_dp_rank_uses_the_old_keyword_on_old_releases(monkeypatch):
+async def test_dp_rank_uses_the_old_keyword_on_old_releases(monkeypatch):
     handle = install_fake_sglang(monkeypatch)
 
     class Old(handle.engine_class):
@@ -840,12 +836,12 @@ def test_dp_rank_uses_the_old_keyword_on_old_releases(monkeypatch):
             )
 
     eng = SGLangEngine("m", dp_size=2, engine_factory=Old)
-    run(eng.generate([200], SP, agent="a"))
-    run(eng.generate([200], SP, agent="b"))
+    await eng.generate([200], SP, agent="a")
+    await eng.generate([200], SP, agent="b")
     assert [c["data_parallel_rank"] for c in eng._engine.calls] == [0, 1]
 
 
-def test_priority_opt_in(monkeypatch):
+async def test_priority_opt_in(monkeypatch):
     eng, fk = make(monkeypatch, priority="fifo")
     assert fk.kwargs["enable_priority_scheduling"] is True
 
@@ -854,25 +850,25 @@ def test_priority_opt_in(monkeypatch):
             await eng.generate([200], SP, agent=key)
         await eng.generate([200], SP)
 
-    run(main())
+    await main()
     # larger value = higher priority (schedule_low_priority_values_first=False)
     assert [c["priority"] for c in fk.calls] == [0, -1, 0, -2, None]
 
     eng2, fk2 = make(monkeypatch, priority=7)
-    run(eng2.generate([200], SP, agent="x"))
+    await eng2.generate([200], SP, agent="x")
     assert fk2.calls[0]["priority"] == 7
 
     eng3, fk3 = make(monkeypatch, priority=lambda key: len(key))
-    run(eng3.generate([200], SP, agent="xyz"))
+    await eng3.generate([200], SP, agent="xyz")
     assert fk3.calls[0]["priority"] == 3
 
 
-def test_priority_fifo_low_values_first(monkeypatch):
+async def test_priority_fifo_low_values_first(monkeypatch):
     eng, fk = make(
         monkeypatch, priority="fifo", engine_args={"schedule_low_priority_values_first": True}
     )
-    run(eng.generate([200], SP, agent="a"))
-    run(eng.generate([200], SP, agent="b"))
+    await eng.generate([200], SP, agent="a")
+    await eng.generate([200], SP, agent="b")
     assert [c["priority"] for c in fk.calls] == [0, 1]
 
 
@@ -882,9 +878,9 @@ def test_priority_must_be_int_fifo_or_callable(monkeypatch):
             make(monkeypatch, priority=bad)
 
 
-def test_priority_off_by_default(monkeypatch):
+async def test_priority_off_by_default(monkeypatch):
     eng, fk = make(monkeypatch)
-    run(eng.generate([200], SP, agent="a"))
+    await eng.generate([200], SP, agent="a")
     assert fk.calls[0]["priority"] is None
     assert "enable_priority_scheduling" not in fk.kwargs
 
@@ -892,7 +888,7 @@ def test_priority_off_by_default(monkeypatch):
 # ---- shutdown -----------------------------------------------------------------------------
 
 
-def test_shutdown_order_and_idempotence(monkeypatch):
+async def test_shutdown_order_and_idempotence(monkeypatch):
     eng, fk = make(monkeypatch, sessions=True)
 
     async def main():
@@ -902,14 +898,14 @@ def test_shutdown_order_and_idempotence(monkeypatch):
         await eng.aclose()
         await eng.end_agent("a")  # after shutdown: nothing sent
 
-    run(main())
+    await main()
     tail = fk.events[-3:]
     assert {e[0] for e in tail[:2]} == {"close_session"} and tail[2] == ("shutdown",)
     assert fk.shutdown_calls == 1
     assert eng.cache_stats().extra["sessions_closed"] == 2
 
 
-def test_session_close_failure_does_not_stop_shutdown(monkeypatch):
+async def test_session_close_failure_does_not_stop_shutdown(monkeypatch):
     eng, fk = make(monkeypatch, sessions=True)
 
     async def broken(obj, request=None):
@@ -923,12 +919,12 @@ def test_session_close_failure_does_not_stop_shutdown(monkeypatch):
         await eng.generate([200], SP, agent="b")
         await eng.aclose()
 
-    run(main())
+    await main()
     assert fk.shutdown_calls == 1
     assert eng.cache_stats().extra["session_close_errors"] == 2
 
 
-def test_sync_helpers_are_never_called(monkeypatch):
+async def test_sync_helpers_are_never_called(monkeypatch):
     eng, fk = make(
         monkeypatch, sessions=True, dp_size=2, priority="fifo", config={"legacy_loads": True}
     )
@@ -940,20 +936,16 @@ def test_sync_helpers_are_never_called(monkeypatch):
         await eng.end_agent("a")
         await eng.aclose()
 
-    run(main())
+    await main()
     assert fk.sync_calls == []
     assert fk.tokenizer_manager.get_loads_calls >= 1
 
 
-def test_sync_helpers_of_the_double_do_raise_inside_a_loop(monkeypatch):
+async def test_sync_helpers_of_the_double_do_raise_inside_a_loop(monkeypatch):
     _, fk = make(monkeypatch)
-
-    async def main():
-        with pytest.raises(RuntimeError, match="already running"):
-            fk.get_server_info()
-
-    run(main())
-    fk.flush_cache()  # fine outside a loop
+    with pytest.raises(RuntimeError, match="already running"):
+        fk.get_server_info()
+    await asyncio.to_thread(fk.flush_cache)  # fine outside a loop (a thread has none)
     assert fk.sync_calls == ["get_server_info", "flush_cache"]
 
 
@@ -1093,7 +1085,7 @@ def test_bench_fails_when_a_constrained_reply_is_not_a_call(monkeypatch, tmp_pat
     assert report["constrained_calls"][0]["text"] == "no call here"
 
 
-def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, tmp_path):
+async def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, tmp_path):
     """The whole batch over the SGLang double with --dp 2: the per-rank gates bind each
     agent's rank in the adapter before its first request, and every request goes there."""
     from runner.batch import Batch, BatchConfig
@@ -1120,7 +1112,7 @@ def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, t
         await batch.run()
         await eng.aclose()
 
-    run(main())
+    await main()
     assert {r["status"] for r in store.finished.values()} == {"submitted"}
     sent_ranks = {c.get("routed_dp_rank") for c in fk.calls}
     assert sent_ranks == {0, 1}  # both ranks used, one window of 1 each

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from runner.engine import EngineError, SamplingParams, TransientEngineError
 from runner.engines.sglang import SGLangEngine
@@ -314,27 +315,23 @@ def _recording_result(out: dict[str, Any], seen: Seen, returned: Seen) -> Keys:
 CALL = {"type": "object", "properties": {"name": {"const": "submit"}}, "required": ["name"]}
 
 
-def _drive(eng: SGLangEngine) -> None:
+async def _drive(eng: SGLangEngine) -> None:
     eng.check_sampling(SamplingParams(max_new_tokens=8, tool_call_schema=json.dumps(CALL)))
-
-    async def main() -> None:
-        await eng.generate([200, 201], SamplingParams(max_new_tokens=8, logprobs=True), agent="a")
-        await eng.generate([200, 201, 202], SamplingParams(max_new_tokens=8), agent="a")
-        await eng.generate([200], SamplingParams(tool_call_schema=json.dumps(CALL)), agent="b")
-        with pytest.raises(TransientEngineError):  # the fourth reply: an abort
-            await eng.generate([200], SamplingParams(max_new_tokens=8), agent="b")
-        for _ in range(3):
-            eng.cache_stats()
-            await asyncio.sleep(0.01)
-        eng.rank_stats(0)
-        await eng.end_agent("a")
-        await eng.aclose()
-
-    asyncio.run(main())
+    await eng.generate([200, 201], SamplingParams(max_new_tokens=8, logprobs=True), agent="a")
+    await eng.generate([200, 201, 202], SamplingParams(max_new_tokens=8), agent="a")
+    await eng.generate([200], SamplingParams(tool_call_schema=json.dumps(CALL)), agent="b")
+    with pytest.raises(TransientEngineError):  # the fourth reply: an abort
+        await eng.generate([200], SamplingParams(max_new_tokens=8), agent="b")
+    for _ in range(3):
+        eng.cache_stats()
+        await asyncio.sleep(0.01)
+    eng.rank_stats(0)
+    await eng.end_agent("a")
+    await eng.aclose()
 
 
-@functools.cache
-def recorded() -> tuple[Seen, Seen]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def recorded() -> tuple[Seen, Seen]:
     """(names the adapter read or sent, names the double returned) over runs that use every
     opt-in, once with load snapshots and once with the get_loads fallback."""
     seen, returned = Seen(), Seen()
@@ -371,7 +368,7 @@ def recorded() -> tuple[Seen, Seen]:
                 loads_refresh_s=0.001,
                 engine_factory=lambda **kw: Reads(Recording(**kw), seen, "engine", WRAP["engine"]),
             )
-            _drive(eng)
+            await _drive(eng)
     finally:
         mp.undo()
     return seen, returned
@@ -384,8 +381,8 @@ def missing(used: set[str], real: set[str] | frozenset[str]) -> list[str]:
     return sorted(used - set(real))
 
 
-def test_every_server_argument_the_adapter_sets_or_reads_exists():
-    seen, _ = recorded()
+def test_every_server_argument_the_adapter_sets_or_reads_exists(recorded):
+    seen, _ = recorded
     fields = server_arg_fields(RELEASE)
     assert seen["server_args_set"] >= {"model_path", "enable_session_radix_cache"}
     assert missing(seen["server_args_set"], fields) == []
@@ -393,15 +390,15 @@ def test_every_server_argument_the_adapter_sets_or_reads_exists():
     assert missing(seen["server_args"] | {"context_length"}, fields) == []
 
 
-def test_every_async_generate_keyword_the_adapter_passes_exists():
-    seen, _ = recorded()
+def test_every_async_generate_keyword_the_adapter_passes_exists(recorded):
+    seen, _ = recorded
     params = async_generate_params(RELEASE)
     assert seen["async_generate"] >= {"input_ids", "session_id", "routed_dp_rank"}
     assert missing(seen["async_generate"], set(params)) == []
 
 
-def test_every_sampling_key_the_adapter_sends_is_a_sampling_params_field():
-    seen, _ = recorded()
+def test_every_sampling_key_the_adapter_sends_is_a_sampling_params_field(recorded):
+    seen, _ = recorded
     fields = annotated(
         class_def(tree(RELEASE, "srt/sampling/sampling_params.py"), "SamplingParams")
     )
@@ -409,8 +406,8 @@ def test_every_sampling_key_the_adapter_sends_is_a_sampling_params_field():
     assert missing(seen["sampling"], fields) == []
 
 
-def test_every_result_and_meta_info_key_the_adapter_reads_is_sent():
-    seen, _ = recorded()
+def test_every_result_and_meta_info_key_the_adapter_reads_is_sent(recorded):
+    seen, _ = recorded
     assert missing(seen["result"], result_keys(RELEASE)) == []
     assert "output_token_logprobs" in seen["meta_info"]
     assert missing(seen["meta_info"], meta_info_keys(RELEASE)) == []
@@ -418,16 +415,16 @@ def test_every_result_and_meta_info_key_the_adapter_reads_is_sent():
     assert missing(seen["cached_tokens_details"], cached_tokens_details_keys(RELEASE)) == []
 
 
-def test_every_load_snapshot_field_the_adapter_reads_exists():
-    seen, _ = recorded()
+def test_every_load_snapshot_field_the_adapter_reads_exists(recorded):
+    seen, _ = recorded
     snapshot = annotated(class_def(tree(RELEASE, "srt/managers/load_snapshot.py"), "LoadSnapshot"))
     assert seen["snapshot"] >= {"token_usage", "dp_rank", "max_total_num_tokens"}
     assert missing(seen["snapshot"], snapshot) == []
     assert seen["reader"] == {"read_all"}
 
 
-def test_every_engine_and_tokenizer_manager_attribute_the_adapter_reads_exists():
-    seen, _ = recorded()
+def test_every_engine_and_tokenizer_manager_attribute_the_adapter_reads_exists(recorded):
+    seen, _ = recorded
     engine = self_attributes(class_def(tree(RELEASE, "srt/entrypoints/engine.py"), "Engine"))
     assert missing(seen["engine"], engine) == []
     tm = tokenizer_manager_attributes(RELEASE)
@@ -465,8 +462,8 @@ def test_the_double_takes_only_real_sampling_keys():
     assert "topk" not in double.SAMPLING_KEYS  # and SGLang raises on such a key: so does it
 
 
-def test_the_double_returns_only_real_keys_and_fields():
-    _, returned = recorded()
+def test_the_double_returns_only_real_keys_and_fields(recorded):
+    _, returned = recorded
     assert missing(returned["result"], result_keys(RELEASE)) == []
     assert missing(returned["meta_info"], meta_info_keys(RELEASE)) == []
     assert missing(returned["finish_reason"], finish_reason_keys(RELEASE)) == []

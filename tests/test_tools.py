@@ -4,7 +4,6 @@ git patch). Uids 220000+ (tests/test_sandbox.py uses 210000+, batches 200000+)."
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -44,11 +43,11 @@ def make_ctx(
     return ToolContext(ws, uid, sb, Limits(**{"timeout_s": 20, **lim}))
 
 
-def call(ctx: ToolContext, name: str, **args):
+async def call(ctx: ToolContext, name: str, **args):
     tool = get_tools([name])[name]
     problem = check_args(tool, args)
     assert problem is None, problem
-    return asyncio.run(tool(args, ctx))
+    return await tool(args, ctx)
 
 
 def tool_call(name: str, **args) -> str:
@@ -56,8 +55,8 @@ def tool_call(name: str, **args) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
-def ed(ctx: ToolContext, command: str, **args):
-    return asyncio.run(StrReplaceEditor()({"command": command, **args}, ctx))
+async def ed(ctx: ToolContext, command: str, **args):
+    return await StrReplaceEditor()({"command": command, **args}, ctx)
 
 
 # ---- registry and schemas --------------------------------------------------------------
@@ -86,51 +85,53 @@ def test_default_suite_and_schemas() -> None:
 # ---- bash and python -------------------------------------------------------------------
 
 
-def test_bash(sb: BwrapSandbox, base: Path) -> None:
+async def test_bash(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base)
-    o = call(ctx, "bash", command="echo hi; id -u; pwd")
+    o = await call(ctx, "bash", command="echo hi; id -u; pwd")
     assert o.ok and o.text == f"hi\n{ctx.uid}\n/work\n[exit code 0]"
-    o = call(ctx, "bash", command="exit 3")
+    o = await call(ctx, "bash", command="exit 3")
     assert not o.ok and o.text == "(no output)\n[exit code 3]"
-    o = call(ctx, "bash", command="sleep 5", timeout=1)
+    o = await call(ctx, "bash", command="sleep 5", timeout=1)
     assert not o.ok and "[killed: timed out after 1s]" in o.text
     for bad in (0, -1, 10_000, True):
-        o = call(ctx, "bash", command="true", timeout=bad)
+        o = await call(ctx, "bash", command="true", timeout=bad)
         assert not o.ok and "timeout must be" in o.text
-    o = call(ctx, "bash", command="head -c 100000 /dev/zero | tr '\\0' x")
+    o = await call(ctx, "bash", command="head -c 100000 /dev/zero | tr '\\0' x")
     assert "more bytes not shown" in o.text and "characters truncated" in o.text
     assert len(o.text) < 17_000
 
 
-def test_workspace_bound_while_running(sb: BwrapSandbox, base: Path) -> None:
+async def test_workspace_bound_while_running(sb: BwrapSandbox, base: Path) -> None:
     """Many empty files (inodes) and big files are both stopped while the command runs."""
     ctx = make_ctx(sb, base, workspace_bytes=4 << 20)
     code = "import itertools\nfor i in itertools.count():\n    open(f'e{i}', 'w').close()"
-    o = call(ctx, "python", code=code)
+    o = await call(ctx, "python", code=code)
     assert o.text.endswith("[killed: the workspace exceeded its size limit]")
     assert len(os.listdir(ctx.workspace)) < 200_000
-    o = call(ctx, "bash", command="rm -f e* && echo clean")
+    o = await call(ctx, "bash", command="rm -f e* && echo clean")
     assert o.ok and "clean" in o.text and "size limit" not in o.text
-    o = call(ctx, "bash", command="while :; do head -c 1000000 /dev/zero > f$RANDOM; done")
+    o = await call(ctx, "bash", command="while :; do head -c 1000000 /dev/zero > f$RANDOM; done")
     assert "[killed: the workspace exceeded its size limit]" in o.text
 
 
-def test_python(sb: BwrapSandbox, base: Path) -> None:
+async def test_python(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"mymod.py": "VALUE = 'from the workspace'\n"})
-    o = call(ctx, "python", code="import mymod, os\nprint(mymod.VALUE, os.getuid(), os.getcwd())")
+    o = await call(
+        ctx, "python", code="import mymod, os\nprint(mymod.VALUE, os.getuid(), os.getcwd())"
+    )
     assert o.ok and o.text == f"from the workspace {ctx.uid} /work\n[exit code 0]"
-    o = call(ctx, "python", code="x = 1\n\ndef f():\n    return 1 / 0\n\nf()\n")
+    o = await call(ctx, "python", code="x = 1\n\ndef f():\n    return 1 / 0\n\nf()\n")
     assert not o.ok and "ZeroDivisionError" in o.text and "return 1 / 0" in o.text
     assert "[exit code 1]" in o.text
-    o = call(ctx, "python", code="print('é ✓ 😀'); print(input())")
+    o = await call(ctx, "python", code="print('é ✓ 😀'); print(input())")
     assert "é ✓ 😀" in o.text and "EOFError" in o.text  # no stdin: input() ends at once
-    o = call(ctx, "python", code="import sys; print(sys.executable); sys.exit(4)")
+    o = await call(ctx, "python", code="import sys; print(sys.executable); sys.exit(4)")
     assert o.text == "/usr/bin/python3\n[exit code 4]"
-    o = call(ctx, "python", code="while True: pass", timeout=1)
+    o = await call(ctx, "python", code="while True: pass", timeout=1)
     assert not o.ok and "[killed: timed out after 1s]" in o.text
-    o = call(ctx, "python", code="   ")
+    o = await call(ctx, "python", code="   ")
     assert not o.ok and "empty" in o.text
-    o = call(ctx, "python", code="open('/etc/passwd2', 'w')")
+    o = await call(ctx, "python", code="open('/etc/passwd2', 'w')")
     assert "Read-only file system" in o.text or "Permission denied" in o.text
     assert not (ctx.workspace / "snippet").exists() and os.listdir(ctx.workspace) == ["mymod.py"]
 
@@ -141,74 +142,74 @@ GIT = "git -c user.name=a -c user.email=a@b"
 SRC = "def f(x):\n    return x\n\n\ndef g(x):\n    return x\n"
 
 
-def test_editor_view(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_view(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"a.py": SRC, "pkg/b/c/deep.py": "", ".hidden": "x"})
-    o = ed(ctx, "view", path="/work/a.py")
+    o = await ed(ctx, "view", path="/work/a.py")
     assert o.ok and o.text.splitlines()[0] == "Here's the result of running `cat -n` on /work/a.py:"
     assert o.text.splitlines()[1:3] == ["     1\tdef f(x):", "     2\t    return x"]
     assert len(o.text.splitlines()) == 7
-    o = ed(ctx, "view", path="a.py", view_range=[5, 6])  # relative paths work too
+    o = await ed(ctx, "view", path="a.py", view_range=[5, 6])  # relative paths work too
     assert o.ok and o.text.splitlines()[1:] == ["     5\tdef g(x):", "     6\t    return x"]
-    o = ed(ctx, "view", path="a.py", view_range=[5, -1])
+    o = await ed(ctx, "view", path="a.py", view_range=[5, -1])
     assert o.text.splitlines()[1:] == ["     5\tdef g(x):", "     6\t    return x"]
-    o = ed(ctx, "view", path="a.py", view_range=[4, 99])
+    o = await ed(ctx, "view", path="a.py", view_range=[4, 99])
     assert o.ok and "only 6 lines" in o.text
     for bad in ([0, 3], [7, 8], [3, 2], [1], ["1", 2]):
-        o = ed(ctx, "view", path="a.py", view_range=bad)
+        o = await ed(ctx, "view", path="a.py", view_range=bad)
         assert not o.ok and "Invalid `view_range`" in o.text, (bad, o.text)
-    o = ed(ctx, "view", path="/work")
+    o = await ed(ctx, "view", path="/work")
     assert o.ok
     lines = o.text.splitlines()
     assert "/work/a.py" in lines and "/work/pkg/" in lines and "/work/pkg/b/" in lines
     assert "/work/pkg/b/c/" not in lines  # 2 levels
     assert ".hidden" not in o.text.split("excluding")[1].split("\n\n")[0]
     assert "1 hidden" in o.text
-    o = ed(ctx, "view", path="/work", view_range=[1, 2])
+    o = await ed(ctx, "view", path="/work", view_range=[1, 2])
     assert not o.ok and "not allowed when `path` points to a directory" in o.text
-    o = ed(ctx, "view", path="/work/missing.py")
+    o = await ed(ctx, "view", path="/work/missing.py")
     assert (
         not o.ok
         and o.text == "The path /work/missing.py does not exist. Please provide a valid path."
     )
 
 
-def test_editor_view_big_and_binary(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_view_big_and_binary(sb: BwrapSandbox, base: Path) -> None:
     big = "".join(f"line {i} " + "x" * 60 + "\n" for i in range(1, 5001))
     ctx = make_ctx(sb, base, {"big.txt": big})
-    o = ed(ctx, "view", path="big.txt")
+    o = await ed(ctx, "view", path="big.txt")
     assert o.ok and "output truncated: showing lines 1-" in o.text and "of 5000" in o.text
     assert "use view_range" in o.text and len(o.text) <= 16_500
-    o = ed(ctx, "view", path="big.txt", view_range=[4999, -1])
+    o = await ed(ctx, "view", path="big.txt", view_range=[4999, -1])
     assert o.text.splitlines()[1].startswith("  4999\tline 4999 ")
     (ctx.workspace / "bin").write_bytes(b"\x7fELF\x00\x01\xff")
-    o = ed(ctx, "view", path="bin")
+    o = await ed(ctx, "view", path="bin")
     assert not o.ok and "binary" in o.text
     (ctx.workspace / "latin1.txt").write_bytes("café\n".encode("latin-1"))
-    o = ed(ctx, "str_replace", path="latin1.txt", old_str="caf", new_str="tea")
+    o = await ed(ctx, "str_replace", path="latin1.txt", old_str="caf", new_str="tea")
     assert not o.ok and "not UTF-8" in o.text
 
 
-def test_editor_create_and_str_replace(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_create_and_str_replace(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"a.py": SRC})
-    o = ed(ctx, "create", path="/work/new/dir/n.py", file_text="print('hi')\n")
+    o = await ed(ctx, "create", path="/work/new/dir/n.py", file_text="print('hi')\n")
     assert o.ok and o.text == "File created successfully at: /work/new/dir/n.py"
     st = (ctx.workspace / "new/dir/n.py").stat()
     assert (st.st_uid, st.st_gid) == (ctx.uid, ctx.uid)  # written by the agent's uid, not root
-    o = ed(ctx, "create", path="new/dir/n.py", file_text="x")
+    o = await ed(ctx, "create", path="new/dir/n.py", file_text="x")
     assert not o.ok and "File already exists at: /work/new/dir/n.py" in o.text
-    o = ed(ctx, "create", path="new", file_text="x")
+    o = await ed(ctx, "create", path="new", file_text="x")
     assert not o.ok and "is a directory" in o.text
-    o = ed(ctx, "create", path="c.py")
+    o = await ed(ctx, "create", path="c.py")
     assert not o.ok and "`file_text` is required" in o.text
     # no match
-    o = ed(ctx, "str_replace", path="a.py", old_str="return y", new_str="return 2")
+    o = await ed(ctx, "str_replace", path="a.py", old_str="return y", new_str="return 2")
     assert not o.ok and "did not appear verbatim in /work/a.py" in o.text
     # several matches: the count and the lines
-    o = ed(ctx, "str_replace", path="a.py", old_str="    return x", new_str="    return 0")
+    o = await ed(ctx, "str_replace", path="a.py", old_str="    return x", new_str="    return 0")
     assert not o.ok and "2 matches" in o.text and "[2, 6]" in o.text
     assert (ctx.workspace / "a.py").read_text() == SRC  # untouched
     # exactly one
-    o = ed(
+    o = await ed(
         ctx,
         "str_replace",
         path="a.py",
@@ -217,79 +218,81 @@ def test_editor_create_and_str_replace(sb: BwrapSandbox, base: Path) -> None:
     )
     assert o.ok and "has been edited" in o.text and "     6\t    return -x" in o.text
     assert (ctx.workspace / "a.py").read_text() == SRC[: -len("return x\n")] + "return -x\n"
-    o = ed(ctx, "str_replace", path="a.py", old_str="", new_str="x")
+    o = await ed(ctx, "str_replace", path="a.py", old_str="", new_str="x")
     assert not o.ok and "empty" in o.text
-    o = ed(ctx, "str_replace", path="a.py", old_str="def f", new_str="def f")
+    o = await ed(ctx, "str_replace", path="a.py", old_str="def f", new_str="def f")
     assert not o.ok and "identical" in o.text
-    o = ed(ctx, "str_replace", path="missing.py", old_str="a", new_str="b")
+    o = await ed(ctx, "str_replace", path="missing.py", old_str="a", new_str="b")
     assert not o.ok and "does not exist" in o.text
-    o = ed(ctx, "str_replace", path="/work/new", old_str="a", new_str="b")
+    o = await ed(ctx, "str_replace", path="/work/new", old_str="a", new_str="b")
     assert not o.ok and "is a directory" in o.text
     # new_str omitted: deletion
-    o = ed(ctx, "str_replace", path="a.py", old_str="\n\ndef g(x):\n    return -x\n")
+    o = await ed(ctx, "str_replace", path="a.py", old_str="\n\ndef g(x):\n    return -x\n")
     assert o.ok and (ctx.workspace / "a.py").read_text() == "def f(x):\n    return x\n"
 
 
-def test_editor_unicode_and_line_endings(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_unicode_and_line_endings(sb: BwrapSandbox, base: Path) -> None:
     text = "naïve = 'café'  # ✓\nemoji = '😀'\nname = 'Ωmega'\n"
     ctx = make_ctx(sb, base, {"u.py": text, "crlf.txt": "one\r\ntwo\r\nthree\r\n"})
-    o = ed(ctx, "str_replace", path="u.py", old_str="emoji = '😀'", new_str="emoji = '🎉🎉'  # ünï")
+    o = await ed(
+        ctx, "str_replace", path="u.py", old_str="emoji = '😀'", new_str="emoji = '🎉🎉'  # ünï"
+    )
     assert o.ok and "🎉🎉" in o.text
     assert (ctx.workspace / "u.py").read_text(encoding="utf-8") == text.replace(
         "emoji = '😀'", "emoji = '🎉🎉'  # ünï"
     )
-    o = ed(ctx, "view", path="u.py")
+    o = await ed(ctx, "view", path="u.py")
     assert "naïve = 'café'  # ✓" in o.text
-    o = ed(ctx, "str_replace", path="u.py", old_str="Ω", new_str="\ud800")  # a lone surrogate
+    o = await ed(ctx, "str_replace", path="u.py", old_str="Ω", new_str="\ud800")  # a lone surrogate
     assert not o.ok and "invalid characters" in o.text
-    o = ed(ctx, "str_replace", path="crlf.txt", old_str="one\ntwo", new_str="1\n2")
+    o = await ed(ctx, "str_replace", path="crlf.txt", old_str="one\ntwo", new_str="1\n2")
     assert o.ok and (ctx.workspace / "crlf.txt").read_bytes() == b"1\r\n2\r\nthree\r\n"
 
 
-def test_editor_insert(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_insert(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"i.txt": "a\nb\nc\n", "nonl.txt": "a\nb"})
     p = ctx.workspace / "i.txt"
-    assert ed(ctx, "insert", path="i.txt", insert_line=0, new_str="top").ok
+    assert (await ed(ctx, "insert", path="i.txt", insert_line=0, new_str="top")).ok
     assert p.read_text() == "top\na\nb\nc\n"
-    o = ed(ctx, "insert", path="i.txt", insert_line=2, new_str="x1\nx2\n")
+    o = await ed(ctx, "insert", path="i.txt", insert_line=2, new_str="x1\nx2\n")
     assert o.ok and p.read_text() == "top\na\nx1\nx2\nb\nc\n"
     assert "     3\tx1" in o.text and "     4\tx2" in o.text
-    assert ed(ctx, "insert", path="i.txt", insert_line=6, new_str="end").ok
+    assert (await ed(ctx, "insert", path="i.txt", insert_line=6, new_str="end")).ok
     assert p.read_text() == "top\na\nx1\nx2\nb\nc\nend\n"
-    o = ed(ctx, "insert", path="i.txt", insert_line=8, new_str="z")
+    o = await ed(ctx, "insert", path="i.txt", insert_line=8, new_str="z")
     assert not o.ok and "[0, 7]" in o.text
-    o = ed(ctx, "insert", path="i.txt", insert_line=-1, new_str="z")
+    o = await ed(ctx, "insert", path="i.txt", insert_line=-1, new_str="z")
     assert not o.ok and "Invalid `insert_line`" in o.text
-    assert ed(ctx, "insert", path="nonl.txt", insert_line=2, new_str="c").ok
+    assert (await ed(ctx, "insert", path="nonl.txt", insert_line=2, new_str="c")).ok
     assert (ctx.workspace / "nonl.txt").read_text() == "a\nb\nc\n"
-    o = ed(ctx, "insert", path="i.txt", insert_line=1)
+    o = await ed(ctx, "insert", path="i.txt", insert_line=1)
     assert not o.ok and "`new_str` is required" in o.text
 
 
-def test_editor_undo(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_undo(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"a.py": SRC})
     p = ctx.workspace / "a.py"
-    o = ed(ctx, "undo_edit", path="a.py")
+    o = await ed(ctx, "undo_edit", path="a.py")
     assert not o.ok and o.text == "No edit history found for /work/a.py."
-    ed(ctx, "str_replace", path="a.py", old_str="def f(x)", new_str="def f(y)")
-    ed(ctx, "insert", path="/work/a.py", insert_line=0, new_str="# header")
+    await ed(ctx, "str_replace", path="a.py", old_str="def f(x)", new_str="def f(y)")
+    await ed(ctx, "insert", path="/work/a.py", insert_line=0, new_str="# header")
     assert p.read_text().startswith("# header\ndef f(y)")
-    o = ed(ctx, "undo_edit", path="/work/./a.py")  # same file, another spelling
+    o = await ed(ctx, "undo_edit", path="/work/./a.py")  # same file, another spelling
     assert o.ok and "undone successfully" in o.text and p.read_text() == SRC.replace("f(x)", "f(y)")
-    assert ed(ctx, "undo_edit", path="a.py").ok and p.read_text() == SRC
-    assert not ed(ctx, "undo_edit", path="a.py").ok
+    assert (await ed(ctx, "undo_edit", path="a.py")).ok and p.read_text() == SRC
+    assert not (await ed(ctx, "undo_edit", path="a.py")).ok
     # undo of a create removes the file
-    ed(ctx, "create", path="n.py", file_text="new\n")
-    o = ed(ctx, "undo_edit", path="n.py")
+    await ed(ctx, "create", path="n.py", file_text="new\n")
+    o = await ed(ctx, "undo_edit", path="n.py")
     assert o.ok and not (ctx.workspace / "n.py").exists()
     # the history is per agent: another agent has none for the same path
     other = make_ctx(sb, base, {"a.py": SRC})
-    ed(ctx, "str_replace", path="a.py", old_str="def g", new_str="def h")
-    assert not ed(other, "undo_edit", path="a.py").ok
-    assert ed(ctx, "undo_edit", path="a.py").ok and p.read_text() == SRC
+    await ed(ctx, "str_replace", path="a.py", old_str="def g", new_str="def h")
+    assert not (await ed(other, "undo_edit", path="a.py")).ok
+    assert (await ed(ctx, "undo_edit", path="a.py")).ok and p.read_text() == SRC
 
 
-def test_editor_path_escapes(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_path_escapes(sb: BwrapSandbox, base: Path) -> None:
     secret = base / "host-secret.txt"
     secret.write_text("TOP SECRET\n")
     ctx = make_ctx(sb, base, {"a.py": SRC})
@@ -300,7 +303,7 @@ def test_editor_path_escapes(sb: BwrapSandbox, base: Path) -> None:
             ("str_replace", {"old_str": "root", "new_str": "x"}),
             ("insert", {"insert_line": 0, "new_str": "x"}),
         ):
-            o = ed(ctx, cmd, path=path, **extra)
+            o = await ed(ctx, cmd, path=path, **extra)
             assert not o.ok, (cmd, path, o.text)
             assert "outside the workspace" in o.text or "path` parameter is required" in o.text
     # symlinks planted in the workspace that point outside it (even at host paths)
@@ -317,34 +320,34 @@ def test_editor_path_escapes(sb: BwrapSandbox, base: Path) -> None:
         ("up/evil.txt", "create", {"file_text": "x"}),
         ("pw", "insert", {"insert_line": 0, "new_str": "x"}),
     ):
-        o = ed(ctx, cmd, path=path, **extra)
+        o = await ed(ctx, cmd, path=path, **extra)
         assert not o.ok and "outside" in o.text, (path, o.text)
         assert "TOP SECRET" not in o.text and "root:" not in o.text
     assert secret.read_text() == "TOP SECRET\n" and not (base / "evil.txt").exists()
-    o = ed(ctx, "str_replace", path="inside", old_str="def f", new_str="def F")
+    o = await ed(ctx, "str_replace", path="inside", old_str="def f", new_str="def F")
     assert o.ok and (ws / "a.py").read_text().startswith("def F")
     # a fifo does not hang the editor
     os.mkfifo(ws / "fifo")
     os.chown(ws / "fifo", ctx.uid, ctx.uid)
-    o = ed(ctx, "view", path="fifo")
+    o = await ed(ctx, "view", path="fifo")
     assert not o.ok and "not a regular file" in o.text
-    o = ed(ctx, "str_replace", path="fifo", old_str="a", new_str="b")
+    o = await ed(ctx, "str_replace", path="fifo", old_str="a", new_str="b")
     assert not o.ok and "not a regular file" in o.text
 
 
-def test_editor_runs_as_the_uid_not_root(sb: BwrapSandbox, base: Path) -> None:
+async def test_editor_runs_as_the_uid_not_root(sb: BwrapSandbox, base: Path) -> None:
     """A root-owned 0600 file in the workspace is out of the agent's reach, editor included."""
     ctx = make_ctx(sb, base)
     f = ctx.workspace / "root-only.txt"
     f.write_text("root data\n")
     f.chmod(0o600)  # still owned by root: prepare_workspace ran before
-    o = ed(ctx, "view", path="root-only.txt")
+    o = await ed(ctx, "view", path="root-only.txt")
     assert not o.ok and "Permission denied" in o.text and "root data" not in o.text
-    o = ed(ctx, "str_replace", path="root-only.txt", old_str="root", new_str="agent")
+    o = await ed(ctx, "str_replace", path="root-only.txt", old_str="root", new_str="agent")
     assert not o.ok and f.read_text() == "root data\n"
 
 
-def test_editor_and_python_in_none_mode(base: Path) -> None:
+async def test_editor_and_python_in_none_mode(base: Path) -> None:
     """--sandbox none: paths are the real workspace path; still run as the agent's uid."""
     sb = UnsandboxedSandbox()
     uid = next(_uids)
@@ -353,63 +356,63 @@ def test_editor_and_python_in_none_mode(base: Path) -> None:
     (ws / "a.py").write_text(SRC)
     sb.prepare_workspace(ws, uid)
     ctx = ToolContext(ws, uid, sb, Limits(timeout_s=20))
-    o = ed(ctx, "str_replace", path=str(ws / "a.py"), old_str="def g", new_str="def h")
+    o = await ed(ctx, "str_replace", path=str(ws / "a.py"), old_str="def g", new_str="def h")
     assert o.ok and (ws / "a.py").stat().st_uid == uid
-    assert ed(ctx, "undo_edit", path="a.py").ok and (ws / "a.py").read_text() == SRC
-    o = ed(ctx, "view", path="/etc/passwd")
+    assert (await ed(ctx, "undo_edit", path="a.py")).ok and (ws / "a.py").read_text() == SRC
+    o = await ed(ctx, "view", path="/etc/passwd")
     assert not o.ok and f"outside the workspace {ws}" in o.text
-    o = call(ctx, "python", code="import os; print(os.getcwd() == os.environ['HOME'])")
+    o = await call(ctx, "python", code="import os; print(os.getcwd() == os.environ['HOME'])")
     assert o.text == "True\n[exit code 0]"
 
 
 # ---- submit and the patch --------------------------------------------------------------
 
 
-def test_submit_captures_the_patch(sb: BwrapSandbox, base: Path) -> None:
+async def test_submit_captures_the_patch(sb: BwrapSandbox, base: Path) -> None:
     ctx = make_ctx(sb, base, {"a.py": SRC, "keep.txt": "same\n", "gone.txt": "bye\n"})
-    o = call(ctx, "submit", answer="no repo")
+    o = await call(ctx, "submit", answer="no repo")
     assert o.submitted and o.answer == "no repo" and o.text == "Submitted."
     assert "patch" not in ctx.state  # no git base: no patch
-    info = asyncio.run(ensure_repo(ctx))
+    info = await ensure_repo(ctx)
     assert info["kind"] == "new" and len(info["base"]) == 40
-    ed(ctx, "str_replace", path="a.py", old_str="def g", new_str="def h")
-    ed(ctx, "create", path="added.py", file_text="NEW = 1\n")
-    call(
+    await ed(ctx, "str_replace", path="a.py", old_str="def g", new_str="def h")
+    await ed(ctx, "create", path="added.py", file_text="NEW = 1\n")
+    await call(
         ctx,
         "bash",
         command=f"rm gone.txt && git add -A && {GIT} commit -qm agent",
     )
-    o = call(ctx, "submit", answer="done")
+    o = await call(ctx, "submit", answer="done")
     assert o.submitted and "2 file(s)" not in o.text and "Patch captured: 3 file(s)" in o.text
     diff = ctx.state["patch"]["diff"]
     assert "+def h(x):" in diff and "+NEW = 1" in diff and "deleted file mode" in diff
     assert "keep.txt" not in diff
     # an existing repository with uncommitted work: the base is its state at the start
     ctx2 = make_ctx(sb, base, {"x.txt": "1\n"})
-    call(
+    await call(
         ctx2,
         "bash",
         command=f"git init -q && git add -A && {GIT} commit -qm c && echo 2 > x.txt && "
         "echo u > untracked.txt",
     )
-    info = asyncio.run(ensure_repo(ctx2))
+    info = await ensure_repo(ctx2)
     assert info["kind"] == "existing"
-    call(ctx2, "bash", command="echo 3 > x.txt")
-    call(ctx2, "submit")
+    await call(ctx2, "bash", command="echo 3 > x.txt")
+    await call(ctx2, "submit")
     diff = ctx2.state["patch"]["diff"]
     assert "-2\n+3" in diff and "untracked" not in diff
-    head = call(ctx2, "bash", command="git log --format=%s")
+    head = await call(ctx2, "bash", command="git log --format=%s")
     assert head.text.startswith("c\n")  # HEAD was not moved by the snapshot
     # .git removed by the agent: submit still ends, and says so
-    call(ctx2, "bash", command="rm -rf .git")
-    o = call(ctx2, "submit")
+    await call(ctx2, "bash", command="rm -rf .git")
+    o = await call(ctx2, "submit")
     assert o.submitted and "could not be captured" in o.text
 
 
 # ---- replay engine (no sandbox needed, but cheap) -------------------------------------
 
 
-def test_replay_engine_token_in_token_out(tmp_path: Path) -> None:
+async def test_replay_engine_token_in_token_out(tmp_path: Path) -> None:
     script = [
         'thinking <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call> ignored',
         "no call here",
@@ -429,7 +432,7 @@ def test_replay_engine_token_in_token_out(tmp_path: Path) -> None:
             await eng.generate(p1, sp)
         return [p1, g1, p2, g2, g3, g4]
 
-    p1, g1, p2, g2, g3, g4 = asyncio.run(go())
+    p1, g1, p2, g2, g3, g4 = await go()
     assert g1.text.endswith("</tool_call>") and "ignored" not in g1.text  # cut at the stop
     assert not g1.stopped_on_eos and g1.finish_reason == "stop" and g1.cached_tokens == 0
     assert g2.text == "no call here" and g2.stopped_on_eos and g2.output_ids[-1] in tok.eos_ids
@@ -454,7 +457,7 @@ def test_replay_engine_token_in_token_out(tmp_path: Path) -> None:
     assert scripts_from_trajectories(tmp_path) == {"t": ["step 1", "step 2"]}
 
 
-def test_agent_survives_tool_failures(sb: BwrapSandbox, base: Path) -> None:
+async def test_agent_survives_tool_failures(sb: BwrapSandbox, base: Path) -> None:
     """Through the agent loop: bad calls are observations, never exceptions."""
     ctx = make_ctx(sb, base, {"a.py": SRC})
     replies = [
@@ -485,7 +488,7 @@ def test_agent_survives_tool_failures(sb: BwrapSandbox, base: Path) -> None:
         SamplingParams(stop=("</tool_call>",)),
         max_steps=10,
     )
-    status, _reason, answer = asyncio.run(agent.run())
+    status, _reason, answer = await agent.run()
     assert (status, answer) == ("submitted", "ok")
     obs = [s.observation for s in agent.steps]
     assert "no tool call" in obs[0]

@@ -110,6 +110,25 @@ def test_the_asyncio_internal_it_reads():
         loop.close()
 
 
+def test_a_thread_job_takes_no_virtual_time():
+    """While a thread works for the loop (to_thread: the run folder's writes), a pending timer
+    does not make time jump: the job's result comes at the instant it was asked for, however
+    long the thread takes, so a run's timings do not depend on the machine's speed."""
+    import time
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        fired = []
+        loop.call_later(1.0, fired.append, "timer")
+        await asyncio.to_thread(time.sleep, 0.2)
+        at, seen = loop.time(), list(fired)
+        await asyncio.sleep(2)
+        return at, seen, fired
+
+    at, seen, fired = run_virtual(main())
+    assert at == 0.0 and seen == [] and fired == ["timer"]
+
+
 def test_a_deadlock_is_raised_not_hung():
     import runner.sim.vclock as vclock
 

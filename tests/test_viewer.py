@@ -6,10 +6,11 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from runner.report.html import write_html
 
@@ -21,29 +22,22 @@ READY = "document.body && document.body.dataset.ready"
 
 
 class Browser:
-    """One chromium for the module, driven from synchronous tests."""
+    """One chromium for the module; its page lives on the module's event loop."""
 
-    def __init__(self) -> None:
-        self.runner = asyncio.Runner()
-        self._cm = chromium()
-        self.page: Page = self.runner.run(self._cm.__aenter__())
+    def __init__(self, page: Page) -> None:
+        self.page = page
 
-    def open(self, path: Path) -> None:
-        self.runner.run(self.page.open(path.resolve().as_uri(), READY))
+    async def open(self, path: Path) -> None:
+        await self.page.open(path.resolve().as_uri(), READY)
 
-    def js(self, expression: str):
-        return self.runner.run(self.page.eval(expression))
-
-    def close(self) -> None:
-        self.runner.run(self._cm.__aexit__(None, None, None))
-        self.runner.close()
+    async def js(self, expression: str):
+        return await self.page.eval(expression)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    b = Browser()
-    yield b
-    b.close()
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with chromium() as page:
+        yield Browser(page)
 
 
 def step(n: int, tool: str | None, obs: str) -> dict:
@@ -99,32 +93,36 @@ def page_file(tmp_path_factory) -> Path:
     return d / "report.html"
 
 
-def rows(b: Browser) -> list[str]:
-    return b.js(
+async def rows(b: Browser) -> list[str]:
+    return await b.js(
         "[...document.querySelectorAll('#spacer .row')].map(r => r.children[0].textContent)"
     )
 
 
-def set_value(b: Browser, element: str, value: str) -> None:
-    b.js(f"(() => {{ const e = document.getElementById({element!r}); e.value = {value!r};"
+async def set_value(b: Browser, element: str, value: str) -> None:
+    await b.js(f"(() => {{ const e = document.getElementById({element!r}); e.value = {value!r};"
          "e.dispatchEvent(new Event('input')); })()")  # fmt: skip
     if element == "search":  # debounced
-        b.runner.run(asyncio.sleep(0.3))
+        await asyncio.sleep(0.3)
 
 
-def test_page_loads_with_no_error_and_no_fetch(browser, page_file):
-    browser.open(page_file)
-    assert rows(browser) == ["alpha", "beta", "delta#0", "gamma"]
-    assert browser.js("document.getElementById('count').textContent") == "4 of 4 tasks"
-    assert "solve rate 2/3" in browser.js("document.getElementById('summary').textContent")
+@pytest.mark.asyncio(loop_scope="module")
+async def test_page_loads_with_no_error_and_no_fetch(browser, page_file):
+    await browser.open(page_file)
+    assert await rows(browser) == ["alpha", "beta", "delta#0", "gamma"]
+    assert await browser.js("document.getElementById('count').textContent") == "4 of 4 tasks"
+    assert "solve rate 2/3" in await browser.js("document.getElementById('summary').textContent")
     assert browser.page.errors() == []
     assert browser.page.requests() == [page_file.resolve().as_uri()]
 
 
-def test_a_task_shows_every_step(browser, page_file):
-    browser.open(page_file)
-    browser.js("document.querySelector('#spacer .row[data-index=\"1\"]').click()")
-    steps = browser.js("[...document.querySelectorAll('#detail .step')].map(s => s.innerText)")
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_task_shows_every_step(browser, page_file):
+    await browser.open(page_file)
+    await browser.js("document.querySelector('#spacer .row[data-index=\"1\"]').click()")
+    steps = await browser.js(
+        "[...document.querySelectorAll('#detail .step')].map(s => s.innerText)"
+    )
     assert len(steps) == 3
     for n, text in enumerate(steps, 1):
         assert f"reply {n} of beta" in text  # the assistant's text
@@ -134,53 +132,59 @@ def test_a_task_shows_every_step(browser, page_file):
     # model and tool text is shown as text: nothing it holds runs or becomes an element
     assert "<img src=x onerror=" in steps[0] and "</script><script>" in steps[1]
     assert "{{DETAILS}}" in steps[1]
-    assert browser.js("document.querySelectorAll('#detail img, #detail script').length") == 0
-    assert "eval: failed" in browser.js("document.getElementById('detail').innerText")
+    assert await browser.js("document.querySelectorAll('#detail img, #detail script').length") == 0
+    assert "eval: failed" in await browser.js("document.getElementById('detail').innerText")
     assert browser.page.errors() == []
 
 
-def test_filters_and_search(browser, page_file):
-    browser.open(page_file)
-    set_value(browser, "status", "submitted")
-    assert rows(browser) == ["alpha", "delta#0"]
-    set_value(browser, "status", "")
-    set_value(browser, "result", "failed")
-    assert rows(browser) == ["beta"]
-    set_value(browser, "result", "unscored")
-    assert rows(browser) == ["gamma"]
-    set_value(browser, "result", "")
-    set_value(browser, "minreward", "0.4")
-    assert rows(browser) == ["alpha", "delta#0"]
-    set_value(browser, "minreward", "0.9")
-    assert rows(browser) == ["alpha"]
-    set_value(browser, "minreward", "")
-    set_value(browser, "search", "NEEDLE-in")  # in alpha's observation only, any case
-    assert rows(browser) == ["alpha"]
-    set_value(browser, "search", "gam")
-    assert rows(browser) == ["gamma"]
-    assert browser.js("document.getElementById('count').textContent") == "1 of 4 tasks"
+@pytest.mark.asyncio(loop_scope="module")
+async def test_filters_and_search(browser, page_file):
+    await browser.open(page_file)
+    await set_value(browser, "status", "submitted")
+    assert await rows(browser) == ["alpha", "delta#0"]
+    await set_value(browser, "status", "")
+    await set_value(browser, "result", "failed")
+    assert await rows(browser) == ["beta"]
+    await set_value(browser, "result", "unscored")
+    assert await rows(browser) == ["gamma"]
+    await set_value(browser, "result", "")
+    await set_value(browser, "minreward", "0.4")
+    assert await rows(browser) == ["alpha", "delta#0"]
+    await set_value(browser, "minreward", "0.9")
+    assert await rows(browser) == ["alpha"]
+    await set_value(browser, "minreward", "")
+    await set_value(browser, "search", "NEEDLE-in")  # in alpha's observation only, any case
+    assert await rows(browser) == ["alpha"]
+    await set_value(browser, "search", "gam")
+    assert await rows(browser) == ["gamma"]
+    assert await browser.js("document.getElementById('count').textContent") == "1 of 4 tasks"
     assert browser.page.errors() == []
 
 
-def test_ten_thousand_trajectories_render_lazily(browser, tmp_path):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_ten_thousand_trajectories_render_lazily(browser, tmp_path):
     records = [trajectory(f"t{i:05d}", "submitted", i % 3 == 0, [step(1, "bash", f"out {i}")])
                for i in range(10_000)]  # fmt: skip
     root = run_folder(tmp_path / "big", records)
     write_html(root, tmp_path / "big.html")
-    browser.open(tmp_path / "big.html")
-    assert browser.js("document.getElementById('count').textContent") == "10000 of 10000 tasks"
-    shown = rows(browser)
+    await browser.open(tmp_path / "big.html")
+    count = await browser.js("document.getElementById('count').textContent")
+    assert count == "10000 of 10000 tasks"
+    shown = await rows(browser)
     assert 10 < len(shown) < 100 and shown[0] == "t00000"
-    browser.js("(() => { const l = document.getElementById('list'); l.scrollTop = l.scrollHeight;"
-               "l.dispatchEvent(new Event('scroll')); })()")  # fmt: skip
-    browser.runner.run(asyncio.sleep(0.2))  # the redraw runs on the next animation frame
-    assert "t09999" in rows(browser) and len(rows(browser)) < 100
-    browser.js("document.querySelector('#spacer .row:last-child').click()")
-    assert "out 9999" in browser.js("document.getElementById('detail').innerText")
+    await browser.js(
+        "(() => { const l = document.getElementById('list'); l.scrollTop = l.scrollHeight;"
+        "l.dispatchEvent(new Event('scroll')); })()"
+    )
+    await asyncio.sleep(0.2)  # the redraw runs on the next animation frame
+    assert "t09999" in await rows(browser) and len(await rows(browser)) < 100
+    await browser.js("document.querySelector('#spacer .row:last-child').click()")
+    assert "out 9999" in await browser.js("document.getElementById('detail').innerText")
     assert browser.page.errors() == []
 
 
-def test_report_html_of_a_real_run(browser, tmp_path):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_report_html_of_a_real_run(browser, tmp_path):
     out = tmp_path / "sim"
     run_cli("--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu", "--out",
             str(out), "-q", timeout=300)  # fmt: skip
@@ -190,27 +194,28 @@ def test_report_html_of_a_real_run(browser, tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    browser.open(html)
+    await browser.open(html)
     ids = sorted(json.loads(line)["task_id"] for line in (out / "trajectories.jsonl").open())
-    assert rows(browser) == ids
-    assert browser.js("document.querySelector('#timeline img').naturalWidth") > 500
-    browser.js("document.querySelector('#spacer .row').click()")
+    assert await rows(browser) == ids
+    assert await browser.js("document.querySelector('#timeline img').naturalWidth") > 500
+    await browser.js("document.querySelector('#spacer .row').click()")
     first = json.loads((out / "trajectories.jsonl").read_text().splitlines()[0])
     n = {json.loads(line)["task_id"]: json.loads(line)["steps"] for line in
          (out / "trajectories.jsonl").open()}[ids[0]]  # fmt: skip
-    assert browser.js("document.querySelectorAll('#detail .step').length") == n
+    assert await browser.js("document.querySelectorAll('#detail .step').length") == n
     assert first["step_log"]  # the run logged its steps
     assert browser.page.errors() == []
 
 
-def test_the_browser_catches_console_errors_and_exceptions(browser, tmp_path):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_browser_catches_console_errors_and_exceptions(browser, tmp_path):
     """The checks above can fail: a page that logs an error and throws is caught."""
     bad = tmp_path / "bad.html"
     bad.write_text(
         "<body><script>console.error('logged'); document.body.dataset.ready = '1';"
         "setTimeout(() => { throw new Error('thrown'); });</script></body>"
     )
-    browser.open(bad)
-    browser.runner.run(asyncio.sleep(0.3))
+    await browser.open(bad)
+    await asyncio.sleep(0.3)
     errors = browser.page.errors()
     assert any("logged" in e for e in errors) and any("thrown" in e for e in errors)

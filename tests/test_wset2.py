@@ -178,7 +178,7 @@ def test_the_gate_reports_tool_seconds_of_holders_and_finished_calls():
         await gate.acquire("A", 150)  # back from a 2.5 s call
         assert gate.tool_seconds() == (0.0, 0.0)
         assert gate.tool_durations() == (2.5,)
-        ctl = Controller(gate, make_policy("wset2"), lambda: CacheStats(0.1, 1000), 1.0, None)
+        ctl = Controller(gate, make_policy("wset2"), lambda: CacheStats(0.1, 1000), 1.0)
         gate.done_request("B")
         await asyncio.sleep(1.0)
         ctl.step()
@@ -244,7 +244,7 @@ def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
         assert _fit_dropping(ContextList(held, waiting), budget, growth, shared, dropped) == fit
 
 
-def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
+async def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
     # the gate's live view (tiny blocks: many of them) gives the same count as the plain
     # running sum over the same contexts, for holders dropped anywhere among the holders
     from runner import gate_order
@@ -278,4 +278,4 @@ def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    asyncio.run(main())
+    await main()

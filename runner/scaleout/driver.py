@@ -175,6 +175,7 @@ class Driver:
         self._started = 0
         self._all_started = asyncio.Event()  # no task is handed out before every worker is up
         self.t_last_record: float | None = None
+        self._taking_in = asyncio.Lock()
 
     # ---- the run ----------------------------------------------------------------------
 
@@ -243,11 +244,13 @@ class Driver:
             node = await h.actor.node_id.remote()
             h.info = await h.actor.start.remote(node, self._share())
         except TimeoutError:
-            self._lose(h, f"not placed within {PLACE_TIMEOUT_S:.0f}s (`ray status`: resources)")
+            await self._lose(
+                h, f"not placed within {PLACE_TIMEOUT_S:.0f}s (`ray status`: resources)"
+            )
             self.ray.kill(h.actor)
             return False
         except self.ray.exceptions.RayError as e:
-            self._lose(h, f"could not start: {_brief(e)}")
+            await self._lose(h, f"could not start: {_brief(e)}")
             return False
         log.info(
             "worker %d: pid %d on %s (node %s), engine %s",
@@ -265,36 +268,56 @@ class Driver:
             try:
                 report: Report = await h.actor.exchange.remote(feed)
             except self.ray.exceptions.RayError as e:
-                self._lose(h, _brief(e))
+                await self._lose(h, _brief(e))
                 return
-            self._take_in(h, report)
+            await self._take_in(h, report)
             if report.done is not None:
                 h.done = report.done
                 if report.done.error:
                     h.done = None
-                    self._lose(h, report.done.error)
+                    await self._lose(h, report.done.error)
                 return
             feed = self._answer(h)
 
     # ---- records ------------------------------------------------------------------------
 
-    def _take_in(self, h: Handle, report: Report) -> None:
-        """Write what the report carries; only then do its tasks count as done."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        if report.status is not None:
-            h.status = report.status
-        if report.want is not None:
-            h.want = report.want
+    async def _take_in(self, h: Handle, report: Report) -> None:
+        """Write what the report carries (on the run folder's writer thread); only then do
+        its tasks count as done. One report at a time: whether an attempt is its task's
+        first is checked before the writes and committed after them."""
+        async with self._taking_in:
+            t0 = time.perf_counter()
+            if report.status is not None:
+                h.status = report.status
+            if report.want is not None:
+                h.want = report.want
+            keep, seen, discarded = [], set(), []
+            for f in report.finished:
+                if f.task_id in seen or not self.ledger.is_first(f.task_id):
+                    discarded.append(self._discard(h, f.task_id, f.attempt))
+                    continue
+                seen.add(f.task_id)
+                keep.append(f)
+            errors = [{**e, "worker": h.index} for e in report.errors] + discarded
+            cpu, trajectories = await self.store.off_loop(self._write, h, report, keep, errors)
+            for rec in trajectories:
+                self.ledger.commit(rec["task_id"])
+                h.kept += 1
+                h.by_status[rec["status"]] = h.by_status.get(rec["status"], 0) + 1
+            if report.finished:
+                self.records += len(report.finished)
+                self.handling_seconds += time.perf_counter() - t0
+                self.handling_cpu_seconds += cpu
+                self.t_last_record = time.monotonic()
+
+    def _write(
+        self, h: Handle, report: Report, keep: list[Any], errors: list[dict[str, Any]]
+    ) -> tuple[float, list[dict[str, Any]]]:
+        """(On the writer thread.) -> the CPU seconds it took, the trajectories written."""
+        c0 = time.thread_time()
         s = self.store
-        if report.errors:
-            s.append_records("errors.jsonl", [{**e, "worker": h.index} for e in report.errors])
-        keep, seen = [], set()
-        for f in report.finished:
-            if f.task_id in seen or not self.ledger.is_first(f.task_id):
-                self._discard(h, f.task_id, f.attempt)
-                continue
-            seen.add(f.task_id)
-            keep.append(f)
+        if errors:
+            s.append_records("errors.jsonl", errors)
         tag = {"worker": h.index}
         extra: dict[str, list[dict[str, Any]]] = {}
         for f in keep:  # other record files first: the trajectory marks the task done
@@ -309,19 +332,12 @@ class Driver:
             if TRAJECTORIES in f.records
         ]
         s.add_trajectories(trajectories)
-        for rec in trajectories:
-            self.ledger.commit(rec["task_id"])
-            h.kept += 1
-            h.by_status[rec["status"]] = h.by_status.get(rec["status"], 0) + 1
         if report.control:
             s.append_records("control.jsonl", [{**tag, **line} for line in report.control])
-        if report.finished:
-            self.records += len(report.finished)
-            self.handling_seconds += time.perf_counter() - t0
-            self.handling_cpu_seconds += time.thread_time() - c0
-            self.t_last_record = time.monotonic()
+        return time.thread_time() - c0, trajectories
 
-    def _discard(self, h: Handle, task_id: str, attempt: str) -> None:
+    def _discard(self, h: Handle, task_id: str, attempt: str) -> dict[str, Any]:
+        """-> the error record of a discarded attempt."""
         kept = self.store.finished.get(task_id, {}).get("attempt")
         h.discarded += 1
         log.warning(
@@ -331,15 +347,14 @@ class Driver:
             h.index,
             kept,
         )
-        self.store.add_error(
-            {
-                "kind": "discarded_attempt",
-                "task_id": task_id,
-                "attempt": attempt,
-                "worker": h.index,
-                "kept_attempt": kept,
-            }
-        )
+        return {
+            "time": time.time(),
+            "kind": "discarded_attempt",
+            "task_id": task_id,
+            "attempt": attempt,
+            "worker": h.index,
+            "kept_attempt": kept,
+        }
 
     # ---- assignment ---------------------------------------------------------------------
 
@@ -366,7 +381,7 @@ class Driver:
             return Feed(tasks=[], coming=self._share())
         return Feed(coming=self._share())
 
-    def _lose(self, h: Handle, why: str) -> None:
+    async def _lose(self, h: Handle, why: str) -> None:
         h.lost = why
         back = self.ledger.lost(h.index)
         h.put_back = back
@@ -377,8 +392,8 @@ class Driver:
             len(back),
             f": {', '.join(back[:10])}{' ...' if len(back) > 10 else ''}" if back else "",
         )
-        self.store.add_error({"kind": "worker_lost", "worker": h.index, "reason": why,
-                              "put_back": back})  # fmt: skip
+        await self.store.log_error({"kind": "worker_lost", "worker": h.index, "reason": why,
+                                    "put_back": back})  # fmt: skip
 
     # ---- reporting ----------------------------------------------------------------------
 

@@ -91,30 +91,26 @@ class Outbox:
 class RelaySink:
     """The batch's RecordSink in a worker: every record goes to the driver, which alone writes
     the run folder. A record file other than trajectories.jsonl (e.g. the outputs issue's
-    rollouts) goes with its agent's trajectory, through `add_record`."""
+    rollouts) goes with its agent's trajectory. Nothing here blocks (the outbox is memory)."""
 
     def __init__(self, outbox: Outbox, attempts: Mapping[str, str]) -> None:
         self._outbox = outbox
         self._attempts = attempts  # task id -> the attempt this worker runs
-        self._extra: dict[str, dict[str, dict[str, Any]]] = {}  # task id -> file -> record
         self.finished: dict[str, dict[str, Any]] = {}  # resume is the driver's: none here
 
-    def add_record(self, file: str, record: dict[str, Any]) -> None:
-        self._extra.setdefault(record["task_id"], {})[file] = record
-
-    def add_trajectory(self, record: dict[str, Any]) -> None:
+    async def finish(self, record: dict[str, Any], extra: Mapping[str, dict[str, Any]]) -> None:
         tid = record["task_id"]
-        records = {**self._extra.pop(tid, {}), TRAJECTORIES: record}
+        records = {**extra, TRAJECTORIES: record}
         self._outbox.finished(Finished(tid, self._attempts.get(tid, "?"), records))
 
-    def add_error(self, record: dict[str, Any]) -> None:
+    async def log_error(self, record: dict[str, Any]) -> None:
         tid = record.get("task_id")
         attempt = (
             {"attempt": self._attempts[tid]} if tid is not None and tid in self._attempts else {}
         )
         self._outbox.error({"time": time.time(), **record, **attempt})
 
-    def add_control(self, line: dict[str, Any]) -> None:
+    async def log_control(self, line: dict[str, Any]) -> None:
         self._outbox.control(line)
 
 

@@ -3,7 +3,9 @@ ready, so `asyncio.sleep(30)` costs no wall time and runs are deterministic.
 
 The runner's asyncio code runs on it unchanged. Real I/O still works (it is polled without
 blocking first; with no timer pending it is waited for, up to REAL_GRACE_S of wall time, so
-worker threads can deliver results); only the waiting on timers is skipped. If nothing is
+worker threads can deliver results); only the waiting on timers is skipped. A job on an
+executor (`run_in_executor`, `asyncio.to_thread`: the run folder's writes) takes no virtual
+time: the clock does not move until it is done, as if the loop had run it itself. If nothing is
 ready, no timer is scheduled and no I/O comes, every task waits on another: that deadlock is
 raised, not hung.
 
@@ -22,6 +24,7 @@ import math
 import selectors
 import sys
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
 from contextvars import Context
 from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, runtime_checkable
 
@@ -58,11 +61,18 @@ class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
+        self.in_threads = 0  # executor jobs of the loop not yet done (asyncio.to_thread, ...)
 
     def select(self, timeout: float | None = None) -> list[Any]:
         events = super().select(0)
         if events or timeout == 0:
             return events
+        if self.in_threads:
+            # Time stands still while a thread works for the loop, as it does while the loop
+            # itself computes: the job's end (its wake-up of the loop) comes first, at this
+            # instant, however long it takes in wall time. Otherwise when its result lands
+            # in virtual time would depend on the machine's speed.
+            return super().select(None)
         if timeout is None:
             # Nothing scheduled: only real I/O can wake us, e.g. a thread finishing work for
             # asyncio.to_thread. Wait for it a bounded while; if it never comes, every task
@@ -100,6 +110,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._jumping.now
+
+    def run_in_executor(
+        self, executor: Executor | None, func: Callable[[*Ts], T], *args: *Ts
+    ) -> asyncio.Future[T]:
+        job = super().run_in_executor(executor, func, *args)
+        self._jumping.in_threads += 1
+        job.add_done_callback(self._thread_done)
+        return job
+
+    def _thread_done(self, _job: asyncio.Future[Any]) -> None:
+        self._jumping.in_threads -= 1
 
     def call_at(
         self,

@@ -279,12 +279,7 @@ class WorkingSet:
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 2.0:  # above 1: deliberate overcommit
             raise ValueError(f"wset target must be in (0, 2], got {self.target!r}")
-        if self.headroom_steps < 0:
-            raise ValueError(f"wset headroom_steps must be >= 0, got {self.headroom_steps!r}")
-        if not 0.0 < self.max_recompute <= 1.0:
-            raise ValueError(f"wset max_recompute must be in (0, 1], got {self.max_recompute!r}")
-        if not 0.0 < self.beta <= 1.0:  # 1: no cut on recompute
-            raise ValueError(f"wset beta must be in (0, 1], got {self.beta!r}")
+        _check_fit_params("wset", self.headroom_steps, self.max_recompute, self.beta)
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)  # nothing is resident yet: the first update fits it
@@ -347,12 +342,7 @@ class WorkingSet2:
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserve < 1.0:
             raise ValueError(f"wset2 reserve must be in [0, 1), got {self.reserve!r}")
-        if self.headroom_steps < 0:
-            raise ValueError(f"wset2 headroom_steps must be >= 0, got {self.headroom_steps!r}")
-        if not 0.0 < self.max_recompute <= 1.0:
-            raise ValueError(f"wset2 max_recompute must be in (0, 1], got {self.max_recompute!r}")
-        if not 0.0 < self.beta <= 1.0:
-            raise ValueError(f"wset2 beta must be in (0, 1], got {self.beta!r}")
+        _check_fit_params("wset2", self.headroom_steps, self.max_recompute, self.beta)
         if self.drop_factor <= 0:
             raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
 
@@ -431,6 +421,16 @@ class _RemainingTime:
         if d and d[-1] > x:
             return d[-1]
         return math.nextafter(x, math.inf)
+
+
+def _check_fit_params(name: str, headroom_steps: float, max_recompute: float, beta: float) -> None:
+    """The checks `wset` and `wset2` share."""
+    if headroom_steps < 0:
+        raise ValueError(f"{name} headroom_steps must be >= 0, got {headroom_steps!r}")
+    if not 0.0 < max_recompute <= 1.0:
+        raise ValueError(f"{name} max_recompute must be in (0, 1], got {max_recompute!r}")
+    if not 0.0 < beta <= 1.0:  # 1: no cut on recompute
+        raise ValueError(f"{name} beta must be in (0, 1], got {beta!r}")
 
 
 def _capacity(s: Signals, use_host: bool) -> float:

@@ -141,7 +141,7 @@ class Totals:
     by_status: dict[str, int] = field(default_factory=dict)
 
 
-async def _uninterrupted(recording: Coroutine[Any, Any, None]) -> None:
+async def _uninterrupted(recording: Coroutine[Any, Any, None], task_id: str) -> None:
     """Run `recording` to its end even when the caller is cancelled meanwhile (a signal's
     stop, the batch stopping on a dead engine), then let the cancellation go on: an agent
     that finished is recorded whole, as when the writes blocked the loop, never half."""
@@ -151,7 +151,7 @@ async def _uninterrupted(recording: Coroutine[Any, Any, None]) -> None:
     except asyncio.CancelledError:
         await asyncio.wait([task])
         if not task.cancelled() and task.exception() is not None:
-            log.error("a finished agent could not be recorded: %s", task.exception())
+            log.error("finished agent %s could not be recorded: %s", task_id, task.exception())
         raise
 
 
@@ -441,16 +441,41 @@ class Batch:
             await self.engine.end_agent(task.id)
         except Exception as e:  # releasing engine state must not lose the record
             log.warning("engine could not release agent %s: %s", task.id, e)
+        error = (
+            {"kind": "agent", "task_id": task.id, "reason": reason} if status == "error" else None
+        )
+        # Recording must never end the batch: what fails keeps a minimal record. The agent's
+        # error line goes with it unless `_record` wrote it before failing.
         try:
-            await self._finish_record(task, ctx, agent, record, status, reason, answer, t0)
+            rollout = await self._complete_record(
+                task, ctx, agent, record, status, reason, answer, t0
+            )
         except (asyncio.CancelledError, RunFolderWriteError):
             raise  # a run folder that cannot be written stops the batch (not one agent)
-        except Exception as e:  # recording must never end the batch: keep a minimal record
-            log.exception("could not record agent %s in full", task.id)
-            minimal = self._new_record(task, sampling)
-            minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
-            minimal["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
-            await _uninterrupted(self._record(task, minimal, None, None))
+        except Exception as e:
+            await self._record_minimal(task, sampling, status, t0, e, error)
+            return
+        try:
+            await _uninterrupted(self._record(task, record, rollout, error), task.id)
+        except (asyncio.CancelledError, RunFolderWriteError):
+            raise
+        except Exception as e:
+            await self._record_minimal(task, sampling, status, t0, e, None)
+
+    async def _record_minimal(
+        self,
+        task: Task,
+        sampling: SamplingParams,
+        status: str,
+        t0: float,
+        e: Exception,
+        error: dict[str, Any] | None,
+    ) -> None:
+        log.exception("could not record agent %s in full", task.id, exc_info=e)
+        minimal = self._new_record(task, sampling)
+        minimal["reason"] = f"recording failed: {type(e).__name__}: {e} (agent: {status})"
+        minimal["seconds"] = round(asyncio.get_running_loop().time() - t0, 3)
+        await _uninterrupted(self._record(task, minimal, None, error), task.id)
 
     def _sampling(self, task: Task) -> SamplingParams:
         """The run's sampling with the task's overrides, the seed of this sample, and
@@ -468,7 +493,7 @@ class Batch:
         cap = self.config.max_steps_cap
         return steps if cap is None else min(steps, cap)
 
-    async def _finish_record(
+    async def _complete_record(
         self,
         task: Task,
         ctx: ToolContext,
@@ -478,7 +503,9 @@ class Batch:
         reason: str,
         answer: str | None,
         t0: float,
-    ) -> None:
+    ) -> dict[str, Any] | None:
+        """Fill in `record` (eval, reward, patch, the agent's fields) and put the workspace
+        away; returns the rollout to write with it. Writes nothing to the run folder."""
         ev = eval_field(await self._evaluate(task, ctx) if agent is not None else None)
         record.update(status=status, reason=reason, answer=answer, eval=ev)
         if agent is not None:
@@ -499,10 +526,7 @@ class Batch:
             self._dispose(ctx.workspace)
         except OSError as e:
             log.warning("could not clean up workspace %s: %s", ctx.workspace, e)
-        error = (
-            {"kind": "agent", "task_id": task.id, "reason": reason} if status == "error" else None
-        )
-        await _uninterrupted(self._record(task, record, rollout, error))
+        return rollout
 
     async def _record(
         self,

@@ -1,6 +1,7 @@
 """Batch-level behaviour with a test-double engine (no model, no sandbox)."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -92,3 +93,27 @@ def test_per_task_sampling_overrides_the_run():
     ):
         with pytest.raises(ValueError, match=f"bad value .*: .*{rule}"):
             validate({"id": "c", "prompt": "x", "sampling": bad})
+
+
+async def test_an_agent_error_is_logged_even_when_recording_it_in_full_fails(tmp_path):
+    tasks = [Task("t0", [{"role": "user", "content": "hi"}], tools=["submit"])]
+    store = RunStore(tmp_path / "run")
+    batch = Batch(
+        tasks,
+        DeadEngine(),
+        NullSandbox(),
+        NoGate(),
+        store,
+        BatchConfig(control_period=0.05, git_base=False),
+    )
+
+    async def broken_eval(task, ctx):
+        raise RuntimeError("eval machinery broke")
+
+    batch._evaluate = broken_eval  # type: ignore[method-assign]
+    await batch.run()
+    (record,) = store.finished.values()
+    assert record["reason"].startswith("recording failed: RuntimeError: eval machinery broke")
+    errors = [json.loads(line) for line in (tmp_path / "run" / "errors.jsonl").open()]
+    assert [(e["task_id"], e["kind"]) for e in errors] == [("t0", "agent")]
+    assert "connection to the engine lost" in errors[0]["reason"]  # the agent's own reason

@@ -1146,7 +1146,7 @@ def test_a_bad_sampling_option_stops_the_run_before_any_agent(monkeypatch, tmp_p
     assert "error: sampling options: --sampling-arg topk: not a sampling parameter" in err
     assert "did you mean top_k?" in err
     assert fk.calls == [] and fk.shutdown_calls == 1  # no request; the engine is closed
-    assert not (out / "trajectories.jsonl").exists()
+    assert not out.exists()  # a refused start leaves no run folder it made
 
 
 def test_a_tasks_sampling_the_engine_refuses_is_named_at_start(monkeypatch, tmp_path, capsys):

@@ -133,6 +133,7 @@ def _main(args: argparse.Namespace) -> int:
         return fail(f"cannot start the engine: {type(e).__name__}: {e}")
     problem = sampling_problem(args, plan, setup)
     if problem:
+        discard_if_new(store, fresh)
         return fail(problem)
     return run(args, plan, store, sandbox, setup, policy)
 

@@ -294,14 +294,17 @@ class BwrapSandbox(Sandbox):
         """User mode: the per-command process bound (RLIMIT_NPROC inside each sandbox) needs
         a kernel that counts it per user namespace; else one bound for the whole batch."""
         inside = Wrapping(user=True, nproc_inside=True, mark=self._mark)
-        if probe_bwrap(inside) is None:
+        inside_failed = probe_bwrap(inside)
+        if inside_failed is None:
             return inside
         reason = probe_bwrap(self._how)
         if reason is not None:
             raise SandboxUnavailable(unavailable_message(reason))
         log.warning(
-            "this kernel counts RLIMIT_NPROC per user, not per user namespace (before Linux "
-            "5.14): no per-agent process bound; all of uid %d's processes share its limit",
+            "RLIMIT_NPROC inside the sandbox failed (%s; a kernel before Linux 5.14 counts it "
+            "per user, not per user namespace): no per-agent process bound; all of uid %d's "
+            "processes share its limit",
+            inside_failed.strip(),
             os.geteuid(),
         )
         return self._how

@@ -237,6 +237,7 @@ class Batch:
             pause_rule=self.config.pause_rule,
             resume_rule=self.config.resume_rule,
             coming=self.source.coming if self.source else None,
+            track_tools=policy.wants_tools,
         )
 
     async def run(self) -> Totals:

@@ -147,6 +147,7 @@ class Gate:
         resume_rule: str = "oldest",
         clock: Callable[[], float] | None = None,
         coming: Callable[[], int] | None = None,
+        track_tools: bool = True,
     ) -> None:
         if pause_rule not in PAUSE_RULES:
             raise ValueError(
@@ -174,7 +175,9 @@ class Gate:
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
-        # the latest tool calls' durations (request finished -> next acquire), for policies
+        # the latest tool calls' durations (request finished -> next acquire), timed only
+        # for policies that read them (two clock reads a step otherwise wasted)
+        self._track_tools = track_tools
         self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
@@ -249,7 +252,7 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
-        if a is not None:
+        if a is not None and self._track_tools:
             a.tool_since = self._clock()
         if self.unit == "request" and a is not None and a.state in HOLDING:
             self._move(a, "idle")
@@ -366,7 +369,9 @@ class Gate:
 
     def _clock(self) -> float:
         """Loop time; after the loop has closed (final summary), the last time seen."""
-        try:  # not contextlib.suppress: this runs at every admission, and try is cheaper
+        # not contextlib.suppress: this runs at every admission (and every step where tools
+        # are timed), and try is cheaper
+        try:
             now = self._clock_fn()
         except RuntimeError:
             return self._last_now

@@ -286,18 +286,11 @@ class WorkingSet:
 
     def update(self, s: Signals) -> Decision:
         if not s.capacity_tokens:
-            d = self.fallback.update(s)
-            return Decision(d.window, f"aimd-fallback:{d.branch}")
+            return _aimd_fallback(self.fallback, s)
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
-        budget = self.target * self._capacity(s) - shared  # the shared prefix, stored once
-        fit = max(1, s.contexts.fit(budget, growth, shared))
-        if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
-            return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
-        return Decision(fit, "fit")
-
-    def _capacity(self, s: Signals) -> float:
-        return _capacity(s, self.use_host)
+        budget = self.target * _capacity(s, self.use_host) - shared  # shared prefix stored once
+        return _cut_or_fit(s, s.contexts.fit(budget, growth, shared), self.max_recompute, self.beta)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -351,8 +344,7 @@ class WorkingSet2:
 
     def update(self, s: Signals) -> Decision:
         if not s.capacity_tokens:
-            d = self.fallback.update(s)
-            return Decision(d.window, f"aimd-fallback:{d.branch}")
+            return _aimd_fallback(self.fallback, s)
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
         capacity = _capacity(s, self.use_host)
@@ -364,15 +356,10 @@ class WorkingSet2:
             past = after.__le__ if after > 0 else (0.0).__lt__
             tools = itertools.islice(s.held_tool_seconds, contexts.held)
             dropped = list(itertools.compress(itertools.count(), map(past, tools)))
-            if dropped:
-                return self._decide(s, _fit_dropping(contexts, budget, growth, shared, dropped))
-        return self._decide(s, contexts.fit(budget, growth, shared))
-
-    def _decide(self, s: Signals, fit: int) -> Decision:
-        fit = max(1, fit)
-        if s.recompute_rate is not None and s.recompute_rate > self.max_recompute:
-            return Decision(max(1, min(fit, math.floor(s.window * self.beta))), "cut:recompute")
-        return Decision(fit, "fit")
+            fit = _fit_dropping(contexts, budget, growth, shared, dropped)
+        else:
+            fit = contexts.fit(budget, growth, shared)
+        return _cut_or_fit(s, fit, self.max_recompute, self.beta)
 
     def _drop_after(self, s: Signals, capacity: float) -> float | None:
         """Seconds in a tool call from which a holder's KV is dropped (None: never): the
@@ -421,6 +408,20 @@ class _RemainingTime:
         if d and d[-1] > x:
             return d[-1]
         return math.nextafter(x, math.inf)
+
+
+def _aimd_fallback(fallback: AIMD, s: Signals) -> Decision:
+    """`wset`'s and `wset2`'s law where the engine reports no pool size."""
+    d = fallback.update(s)
+    return Decision(d.window, f"aimd-fallback:{d.branch}")
+
+
+def _cut_or_fit(s: Signals, fit: int, max_recompute: float, beta: float) -> Decision:
+    """The fitted window, cut by `beta` while the recompute rate is above `max_recompute`."""
+    fit = max(1, fit)
+    if s.recompute_rate is not None and s.recompute_rate > max_recompute:
+        return Decision(max(1, min(fit, math.floor(s.window * beta))), "cut:recompute")
+    return Decision(fit, "fit")
 
 
 def _check_fit_params(name: str, headroom_steps: float, max_recompute: float, beta: float) -> None:

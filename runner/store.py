@@ -84,12 +84,12 @@ def _append(path: Path, record: dict[str, Any]) -> None:
     _append_many(path, [record])
 
 
-def _append_many(path: Path, records: list[dict[str, Any]], sync: bool = True) -> None:
+def _append_many(path: Path, records: list[dict[str, Any]]) -> None:
     """Append lines, each with one write(), then one fsync for all of them (a driver writing
-    a worker's report: one sync per report, not per line; none when not `sync`). On failure
-    the file is cut back to where it was: the lines are either all there (and synced) or
-    none is. Blocks: on the event loop, go through RunStore.off_loop."""
-    _append_lines(path, [_line(r) for r in records], sync)
+    a worker's report: one sync per report, not per line). On failure the file is cut back
+    to where it was: the lines are either all there (and synced) or none is. Blocks: on the
+    event loop, go through RunStore.off_loop."""
+    _append_lines(path, [_line(r) for r in records], sync=True)
 
 
 def _line(record: dict[str, Any]) -> bytes:
@@ -203,8 +203,9 @@ class _Commit:
 
 
 def _write_group(group: list[_Commit]) -> list[Exception | None]:
-    """(On the writer thread.) The lines of several commits, file by file in the order the
-    files come in the commits (a rollout line before its trajectory line), each file's
+    """(On the writer thread.) The lines of several commits, file by file in `_RANK` order
+    (errors, other record files such as rollouts, trajectories, control: whatever order the
+    commits came in, no trajectory line reaches the disk before its rollout), each file's
     lines written one by one and synced once (control.jsonl: not synced). A commit whose
     line failed gets the error, and its later lines are not written; one that cannot be
     encoded fails alone. -> per commit: None or its error."""

@@ -592,13 +592,19 @@ class Batch:
         sandbox that runs no commands, the simulator's). An ext4 image takes three
         subprocesses: off the loop; the rest is a mount(2) or a mkdir, kept on it (a thread
         would let a simulated run's virtual clock jump while it waits)."""
-        fs = self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch"
+        fs = self.workspace_fs_asked
         limit = self.config.limits.workspace_bytes
         if fs == "ext4":
             bound = await asyncio.to_thread(make_workspace, ws, limit, fs)
         else:
             bound = make_workspace(ws, limit, fs)
         self.workspace_bounds[bound] = self.workspace_bounds.get(bound, 0) + 1
+
+    @property
+    def workspace_fs_asked(self) -> str:
+        """The workspaces' filesystem kind asked for: "watch" for a sandbox that runs no
+        commands (the simulator's), whose workspaces are plain directories."""
+        return self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch"
 
     def workspace_bound(self) -> dict[str, Any]:
         """For summary.json: how the workspace size was bounded, exact only if every
@@ -609,7 +615,7 @@ class Batch:
             counts[bound.fs] = counts.get(bound.fs, 0) + n
         return {
             "limit_bytes": self.config.limits.workspace_bytes,
-            "asked": self.config.workspace_fs if isinstance(self.sandbox, Sandbox) else "watch",
+            "asked": self.workspace_fs_asked,
             "workspaces": counts,
             "exact": all(b.exact for b in made) if made else None,
             "why_not_exact": sorted({b.why for b in made if b.why}),

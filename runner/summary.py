@@ -89,16 +89,13 @@ def build_summary(
     }
 
 
-def _workspace_fs(batch: Batch) -> str:
-    """The workspaces' filesystem kind in force: "watch" if any fell back to it."""
-    made = batch.workspace_bound()
-    return "watch" if made["exact"] is False else batch.config.workspace_fs
-
-
 def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
     """What one batch process reports of its session: its totals, engine, gate and sandbox
     (a worker of a batch over many nodes sends these to the driver)."""
     session = batch.totals
+    bound = batch.workspace_bound()
+    # the workspaces' filesystem kind in force: "watch" if any fell back to it
+    fs = "watch" if bound["exact"] is False else batch.config.workspace_fs
     return {
         "this_session": {
             "agents_run": sum(session.by_status.values()),
@@ -116,9 +113,9 @@ def session_parts(batch: Batch, engine: Engine, why: str) -> dict[str, Any]:
             "cache": engine.cache_stats().extra,
             "stats": engine.stats() if isinstance(engine, EngineStats) else None,
         },
-        "workspace_bound": batch.workspace_bound(),  # exact or watched (docs/sandbox.md)
+        "workspace_bound": bound,  # exact or watched (docs/sandbox.md)
         "gate": batch.controller.summary(),
         "sandbox": batch.sandbox.mode,
         # what really bounds the agents here (root/user/none, memory, processes, network)
-        "limits": limits_in_force(batch.sandbox, batch.config.limits, _workspace_fs(batch)),
+        "limits": limits_in_force(batch.sandbox, batch.config.limits, fs),
     }

@@ -249,8 +249,9 @@ class Batch:
         if self.config.uid_base == AGENT_UID_BASE and isinstance(self.sandbox, Sandbox):
             self._uids = lease_uids(len(self.todo))
         self._ws_root = self.config.workspace_root or Path(tempfile.mkdtemp(prefix="concur-ws-"))
-        # cleans up if we are killed; the workspaces' folder only after it has started, so
-        # that a kill at any moment leaves none
+        # cleans up if we are killed; the workspaces' folder is emptied and made only after
+        # it has started, so that a kill at any moment leaves no workspace (an empty
+        # temporary folder at worst)
         reaper = start_reaper(self._uids, self._ws_root)
         try:
             remove_tree(self._ws_root)  # left by a killed run

@@ -86,7 +86,8 @@ class Controller:
             bisect.insort(self._first_cached, cached_tokens)
 
     def step(self) -> dict[str, Any]:
-        """One control period: signals -> policy -> gate. Returns the logged line."""
+        """One control period: signals -> policy -> gate. Returns the period's line (`tick`
+        hands it to `on_line`)."""
         now = self._clock()
         if self._t0 is None:
             self._t0 = now

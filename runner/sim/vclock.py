@@ -40,7 +40,9 @@ class Deadlock(RuntimeError):
     pass
 
 
-REAL_GRACE_S = 5.0  # with no timer, how long to wait for real I/O (a worker thread's result)
+# with no timer and no executor job, how long to wait for real I/O (a thread other than the
+# loop's executor waking it: call_soon_threadsafe)
+REAL_GRACE_S = 5.0
 
 
 @runtime_checkable
@@ -74,9 +76,9 @@ class _JumpingSelector(selectors.DefaultSelector):
             # in virtual time would depend on the machine's speed.
             return super().select(None)
         if timeout is None:
-            # Nothing scheduled: only real I/O can wake us, e.g. a thread finishing work for
-            # asyncio.to_thread. Wait for it a bounded while; if it never comes, every task
-            # waits on another.
+            # Nothing scheduled: only real I/O can wake us, e.g. a thread other than the
+            # loop's executor (call_soon_threadsafe). Wait for it a bounded while; if it
+            # never comes, every task waits on another.
             events = super().select(REAL_GRACE_S)
             if events:
                 return events

@@ -15,7 +15,9 @@ class Limits:
     timeout_s: float = 60.0  # wall clock; on expiry kill the whole process group / pid namespace
     data_bytes: int = 512 * 2**20  # RLIMIT_DATA (not AS: AS breaks node/java at start)
     cpu_s: int = 120  # RLIMIT_CPU
-    nproc: int = 64  # RLIMIT_NPROC (works because the uid is per agent)
+    # RLIMIT_NPROC, per agent: root mode gives each agent its own uid; user mode sets it
+    # inside each sandbox's user namespace (docs/sandbox.md)
+    nproc: int = 64
     fsize_bytes: int = 16 * 2**20  # RLIMIT_FSIZE (per file; see workspace_bytes)
     nofile: int = 256  # RLIMIT_NOFILE
     output_bytes: int = 32 * 1024  # cap on captured output; the rest is drained and discarded
@@ -24,7 +26,8 @@ class Limits:
     # (workspaces.make_workspace), else checked while each command runs and after it
     workspace_bytes: int = 256 * 2**20
     # all of one agent's processes together, shared mappings and tmpfs pages included (a
-    # memory cgroup per agent uid, where the host has a writable memory controller)
+    # memory cgroup per agent: v1 per agent uid as root, v2 in our own or a delegated
+    # subtree; docs/sandbox.md says where none is)
     memory_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:

@@ -216,6 +216,25 @@ def test_sandbox_none_as_an_ordinary_user(user: pwd.struct_passwd, home: Path) -
     assert not user_processes(user)
 
 
+def test_a_workspace_an_agent_locked_is_removed_as_a_user(
+    user: pwd.struct_passwd, home: Path
+) -> None:
+    # as root rm removes a chmod 000 directory; as the user only after making it ours again
+    t = swe_task(0) | {
+        "replay": [bash("mkdir -p locked/deep && touch locked/deep/f && chmod 000 locked"),
+                   tool_call("submit")]
+    }  # fmt: skip
+    tasks = write_jsonl(home / "locked.jsonl", [t])
+    os.chown(tasks, user.pw_uid, user.pw_gid)
+    out = home / "locked"
+    p = run_as(user, "--tasks", str(tasks), "--out", str(out), "--sandbox", "none", *FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "could not remove" not in p.stderr, p.stderr[-3000:]
+    (r,) = read_jsonl(out / "trajectories.jsonl")
+    assert r["status"] == "submitted"
+    assert not workspace_root(out).exists()
+
+
 def test_refusals_leave_no_run_folder(user: pwd.struct_passwd, home: Path) -> None:
     tasks = write_jsonl(home / "one.jsonl", [swe_task(0) | {"replay": [tool_call("submit")]}])
     os.chown(tasks, user.pw_uid, user.pw_gid)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .limits import check_uid
+from .reaper import remove_folder
 from .workspaces import release
 
 log = logging.getLogger("concur.sandbox")
@@ -147,24 +148,20 @@ def prepare_tree(workspace: Path, uid: int) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a workspace tree as root, safely: first unmount the workspace filesystems at or
-    under it (workspaces.py), then GNU rm, which never follows symlinks, stays on one
-    filesystem and has no recursion limit (shutil.rmtree in 3.11 recurses: a deep tree made by
-    an agent raises RecursionError). Missing paths are fine; failures are logged."""
+    """Delete a workspace tree (as root, or in user mode as the user), safely: first unmount
+    the workspace filesystems at or under it (workspaces.py), then GNU rm, which never
+    follows symlinks, stays on one filesystem and has no recursion limit (shutil.rmtree in
+    3.11 recurses: a deep tree made by an agent raises RecursionError), as the reaper does
+    it. Missing paths are fine; failures are logged."""
     if not os.path.lexists(path):
         return
     try:
         release(path)
     except OSError as e:
         log.warning("could not unmount the workspace filesystem at %s: %s", path, e)
-    r = subprocess.run(
-        ["rm", "-rf", "--one-file-system", "--", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if r.returncode != 0:
-        log.warning("could not remove %s: %s", path, r.stderr.strip()[:500])
+    problem = remove_folder(path)
+    if problem:
+        log.warning("could not remove %s: %s", path, problem[:500])
 
 
 def move_tree(src: Path, dst: Path) -> None:

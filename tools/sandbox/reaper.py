@@ -231,14 +231,16 @@ def clean_up(
         remove_cgroup(cgroup)
 
 
-def remove_folder(path: Path) -> bool:
-    """rm -rf that never follows links nor leaves the filesystem; not root, a directory an
-    agent made unreadable (chmod 000) is made ours again first (chmod -R skips links)."""
+def remove_folder(path: Path) -> str:
+    """rm -rf that never follows links nor leaves the filesystem; where it fails (not root:
+    a directory an agent made unreadable, chmod 000) the tree is made ours again (chmod -R
+    skips links) and removed once more. -> "" if removed, else rm's complaint."""
     argv = ["rm", "-rf", "--one-file-system", "--", str(path)]
     if subprocess.run(argv, capture_output=True, check=False).returncode == 0:
-        return True
+        return ""
     subprocess.run(["chmod", "-R", "u+rwx", "--", str(path)], capture_output=True, check=False)
-    return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+    r = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return "" if r.returncode == 0 else r.stderr.strip() or f"rm exited {r.returncode}"
 
 
 def main(argv: list[str]) -> int:

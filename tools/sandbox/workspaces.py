@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .reaper import mounts, unmount, unmount_under
+from .reaper import mark_alive, mounts, run_mark, unmount, unmount_under
 
 log = logging.getLogger("concur.sandbox")
 
@@ -130,7 +130,7 @@ def sweep_stale_mounts() -> int:
     n = 0
     for mp, fstype, source in mounts():
         owner = _owner(fstype, source)
-        if owner is None or _alive(*owner):
+        if owner is None or mark_alive(owner):
             continue
         try:
             unmount(mp)
@@ -165,8 +165,7 @@ def _fallback(fs: str, limit: int, why: str) -> WorkspaceBound:
 
 
 def _owner_tag() -> str:
-    pid = os.getpid()
-    return f"{_TAG}.{pid}.{_start_time(pid)}"
+    return f"{_TAG}.{run_mark()}"
 
 
 def _mount_tmpfs(path: Path, size: int) -> None:
@@ -246,7 +245,7 @@ def _detach_stale_loops() -> int:
     for block in Path("/sys/block").glob("loop*"):
         dev = f"/dev/{block.name}"
         owner = _tag_owner(_backing_name(dev))
-        if owner is None or _alive(*owner) or dev in mounted:
+        if owner is None or mark_alive(owner) or dev in mounted:
             continue
         try:
             _cmd("losetup", "-d", dev)
@@ -256,8 +255,9 @@ def _detach_stale_loops() -> int:
     return n
 
 
-def _owner(fstype: str, source: str) -> tuple[int, int] | None:
-    """(pid, start time) of the runner that mounted a workspace filesystem, None if not ours."""
+def _owner(fstype: str, source: str) -> str | None:
+    """The run mark (pid.start time) of the runner that mounted a workspace filesystem, None
+    if not ours."""
     if fstype == "tmpfs":
         return _tag_owner(source)
     if fstype == "ext4" and source.startswith("/dev/loop"):
@@ -265,15 +265,14 @@ def _owner(fstype: str, source: str) -> tuple[int, int] | None:
     return None
 
 
-def _tag_owner(tag: str) -> tuple[int, int] | None:
-    """(pid, start time) named by one of our tags, None if it is not one."""
+def _tag_owner(tag: str) -> str | None:
+    """The run mark (reaper.run_mark) in one of our tags, None if it is not one."""
     if not tag.startswith(_TAG + "."):
         return None
     parts = tag.split(".")
-    try:
-        return int(parts[1]), int(parts[2])
-    except (IndexError, ValueError):
+    if len(parts) < 3 or not (parts[1].isdigit() and parts[2].isdigit()):
         return None
+    return f"{parts[1]}.{parts[2]}"
 
 
 def _backing_name(loop: str) -> str:
@@ -283,17 +282,3 @@ def _backing_name(loop: str) -> str:
     except OSError:
         return ""
     return Path(backing.strip().removesuffix(" (deleted)")).name.lstrip(".")
-
-
-def _start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot (-1 if it is gone): with the pid
-    it names one process, even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _alive(pid: int, start: int) -> bool:
-    return _start_time(pid) == start

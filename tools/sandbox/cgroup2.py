@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .limits import Limits
-from .reaper import kill_cgroup, mark_alive, run_mark
+from .reaper import kill_cgroup, mark_alive, remove_cgroup, run_mark
 
 CONTROLLERS = ("memory", "pids")
 ROOT_SUBTREE = "concur-runner"  # root's own subtree under the mount
@@ -112,10 +112,7 @@ def remove_group(group: Path, fs: CgroupFS, kill: bool) -> None:
         deadline = time.monotonic() + 1.0
         while _populated(group) and time.monotonic() < deadline:
             time.sleep(0.01)
-    children = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
-    for d in [*children, group]:
-        with contextlib.suppress(OSError):
-            fs.rmdir(d)
+    remove_cgroup(group, fs.rmdir)
 
 
 def _populated(group: Path) -> bool:

@@ -108,6 +108,8 @@ def marked_processes(want: Callable[[dict[bytes, bytes]], bool]) -> set[int]:
     mine = [pid for pid, uid in process_uids() if uid == me and pid != os.getpid()]
     marked = {pid for pid in mine if want(_environ(pid))}
     spaces = {_pid_ns(pid) for pid in marked} - {own_ns, ""}
+    if not spaces:  # all in our own namespace (mode none): no namespace to sweep
+        return marked
     return marked | {pid for pid in mine if _pid_ns(pid) in spaces}
 
 
@@ -146,12 +148,13 @@ def kill_cgroup(root: Path) -> int:
     return killed
 
 
-def remove_cgroup(root: Path) -> None:
+def remove_cgroup(root: Path, rmdir: Callable[[Path], None] = Path.rmdir) -> None:
+    """Remove a cgroup and its children, deepest first (a busy one stays)."""
     for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         with contextlib.suppress(OSError):
-            d.rmdir()
+            rmdir(d)
     with contextlib.suppress(OSError):
-        root.rmdir()
+        rmdir(root)
 
 
 # Workspaces on their own filesystems (tools/sandbox/workspaces.py) are unmounted before the

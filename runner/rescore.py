@@ -23,8 +23,8 @@ from tools.core import ToolContext
 from tools.sandbox import CommandSandbox, lease_uids, move_tree, remove_tree
 
 from .batch import BatchConfig, evaluate
-from .records import eval_field, eval_reward
-from .rewards import reward_fields
+from .records import eval_field
+from .rewards import eval_reward_fields, reward_fields
 from .store import RunStore, write_json_atomic
 from .summary import record_totals
 from .tasks import Task
@@ -152,13 +152,10 @@ def _failed(task: Task, error: str) -> Rescored:
     """A task whose re-scoring could not run: its eval fails with the error, and so does its
     reward command (an eval-derived reward follows the failed eval)."""
     ev = {"command": task.eval, "solved": False, "error": error} if task.eval else None
-    out: dict[str, Any] = {"reward": None, "reward_error": None, "reward_output": None}
-    if task.reward:
-        out.update(reward_source="command", reward_error=f"reward command could not run: {error}")
-    else:
-        out["reward"] = eval_reward(eval_field(ev))
-        out["reward_source"] = None if out["reward"] is None else "eval"
-    return Rescored(ev, out)
+    if not task.reward:
+        return Rescored(ev, eval_reward_fields(eval_field(ev)))
+    out = {"reward": None, "reward_source": "command", "reward_output": None}
+    return Rescored(ev, {**out, "reward_error": f"reward command could not run: {error}"})
 
 
 def _rewrite(store: RunStore, results: dict[str, Rescored]) -> None:

@@ -33,18 +33,23 @@ def sample_seed(seed: int, k: int) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
+def eval_reward_fields(ev: dict[str, Any]) -> dict[str, Any]:
+    """The reward fields of a task without a reward command: the reward follows its eval."""
+    reward = eval_reward(ev)
+    return {
+        "reward": reward,
+        "reward_source": None if reward is None else "eval",
+        "reward_error": None,
+        "reward_output": None,
+    }
+
+
 async def reward_fields(
     sandbox: CommandSandbox, task: Task, ctx: ToolContext, ev: dict[str, Any], timeout: float
 ) -> dict[str, Any]:
     """reward, reward_source, reward_error, reward_output for a finished agent."""
     if not task.reward:
-        reward = eval_reward(ev)
-        return {
-            "reward": reward,
-            "reward_source": None if reward is None else "eval",
-            "reward_error": None,
-            "reward_output": None,
-        }
+        return eval_reward_fields(ev)
     out: dict[str, Any] = {"reward": None, "reward_source": "command", "reward_output": None}
     if not ctx.workspace.exists():
         return {**out, "reward_error": "the workspace is gone: the reward command cannot run"}

@@ -198,6 +198,11 @@ def test_every_task_once_and_the_same_set_as_one_process(cluster, tmp_path):
     assert summary["agents_by_status"] == {"submitted": 18}
     assert summary["scaleout"]["workers_lost"] == 0
     assert all(rec["attempt"] and rec["worker"] in (0, 1, 2) for rec in _records(tmp_path / "ray"))
+    # which limits bound the agents, as in a single process's summary
+    one = json.loads((tmp_path / "single" / "summary.json").read_text())
+    ray_limits, one_limits = summary["limits"], one["limits"]
+    assert ray_limits.pop("cgroup")["kind"] == one_limits.pop("cgroup")["kind"]  # where: per pid
+    assert ray_limits == one_limits and ray_limits["sandbox"] == one["sandbox"]
     lines = [json.loads(x) for x in (tmp_path / "ray" / "control.jsonl").read_text().splitlines()]
     assert {x["worker"] for x in lines} == {0, 1, 2}
 

@@ -44,6 +44,7 @@ def distributed_summary(
         "gate": merged_gate([p["gate"] for p in parts]),
         "sandbox": parts[0]["sandbox"] if parts else None,
         "workspace_bound": merged_bound([p.get("workspace_bound") for p in parts]),
+        "limits": parts[0].get("limits") if parts else None,  # as "sandbox": the first worker's
         "config": config,
         "host": {"python": platform.python_version(), "machine": platform.machine()},
         "workers": workers,

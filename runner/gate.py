@@ -383,9 +383,7 @@ class Gate:
         n = self._n
         n[a.state] -= 1
         n[state] += 1
-        seg = a.block.segment
-        if seg is not None:
-            seg.remove(a)
+        self._keep.remove(a)
         a.state = state
         if state == "active":
             self._keep.active.add(a, a.admitted_seq)

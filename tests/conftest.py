@@ -1,5 +1,6 @@
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -73,3 +74,39 @@ def base() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def sb() -> BwrapSandbox:
     return BwrapSandbox()
+
+
+def _hidden_dirs() -> dict[Path, set[Path]]:
+    """Directories other users cannot enter -> their children that hold what another user's
+    process needs here: this interpreter (pyenv under /root, mode 0700) and the checkout (a
+    clone under a mktemp folder, mode 0700)."""
+    hidden: dict[Path, set[Path]] = {}
+    for need in (Path(sys.prefix).resolve(), ROOT):
+        for parent in reversed(need.parents):  # "/" first
+            if not os.stat(parent).st_mode & 0o001:
+                hidden.setdefault(parent, set()).add(parent / need.relative_to(parent).parts[0])
+                break
+    return hidden
+
+
+def reachable_by_others(argv: list[str]) -> list[str]:
+    """`argv` (which switches to another user) in a private mount namespace where each
+    directory others cannot enter is an empty tmpfs with only the children it needs bound
+    back: the interpreter and the checkout, nothing else of root's. As is where nothing is
+    hidden."""
+    hidden = _hidden_dirs()
+    if not hidden:
+        return argv
+    steps = []
+    for i, (top, keeps) in enumerate(sorted(hidden.items())):
+        kept = [shlex.quote(str(k)) for k in sorted(keeps)]
+        steps += [
+            f'k{i}_{j}=$(mktemp -d) && mount --bind {k} "$k{i}_{j}"' for j, k in enumerate(kept)
+        ]
+        steps.append(f"mount -t tmpfs -o mode=0755,size=1m tmpfs {shlex.quote(str(top))}")
+        steps += [
+            f'mkdir -p {k} && mount --move "$k{i}_{j}" {k} && rmdir "$k{i}_{j}"'
+            for j, k in enumerate(kept)
+        ]
+    script = " && ".join(steps) + ' && exec "$@"'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]

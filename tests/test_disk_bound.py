@@ -34,7 +34,7 @@ from tools.sandbox import (
 )
 from tools.sandbox.workspaces import space, sweep_stale_mounts, workspace_bound
 
-from .conftest import ROOT, read_jsonl, run_cli, write_jsonl
+from .conftest import ROOT, reachable_by_others, read_jsonl, run_cli, write_jsonl
 
 LIMIT = 8 * 2**20
 EXACT = ["tmpfs", "ext4"]
@@ -205,8 +205,8 @@ def test_not_root_falls_back_to_the_watch(tmp_path: Path) -> None:
             "print(json.dumps([b.fs, b.exact, b.why]))"
         )
         out = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-             "-c", code],
+            reachable_by_others(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 sys.executable, "-c", code]),
             cwd=ROOT, capture_output=True, text=True, check=True,
             env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
         )  # fmt: skip

@@ -27,7 +27,7 @@ import pytest
 
 from runner.cli.main import workspace_root
 
-from .conftest import ROOT, SWE, read_jsonl, write_jsonl
+from .conftest import ROOT, SWE, reachable_by_others, read_jsonl, write_jsonl
 from .test_attacks import Listener, bash, python, tool_call
 
 USER = "concur-nonroot"
@@ -73,31 +73,12 @@ def home(user: pwd.struct_passwd) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _hidden_prefix() -> tuple[Path, Path] | None:
-    """(a directory others cannot enter, its child that holds this interpreter), if any."""
-    prefix = Path(sys.prefix).resolve()
-    for parent in reversed(prefix.parents):  # "/" first
-        if not os.stat(parent).st_mode & 0o001:
-            return parent, parent / prefix.relative_to(parent).parts[0]
-    return None
-
-
 def as_user(user: pwd.struct_passwd, *argv: str) -> list[str]:
     """argv running `argv` as the user (its groups, a clean environment)."""
     switch = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups"]
     env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}", "PATH=/usr/bin:/bin"]
     env += [f"PYTHONPATH={ROOT}", "PYTHONUNBUFFERED=1"]
-    hidden = _hidden_prefix()
-    if hidden is None:
-        return [*switch, "--", *env, *argv]
-    top, keep = hidden
-    script = (
-        'd=$(mktemp -d) && mount --bind "$1" "$d" && '
-        'mount -t tmpfs -o mode=0755,size=1m tmpfs "$0" && mkdir -p "$1" && '
-        'mount --move "$d" "$1" && rmdir "$d" && shift && exec "$@"'
-    )
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(top), str(keep),
-            *switch, "--", *env, *argv]  # fmt: skip
+    return reachable_by_others([*switch, "--", *env, *argv])
 
 
 def run_as(

@@ -282,11 +282,19 @@ def test_cost_model_by_hand_qwen_tp2():
     allreduce = 2 * 64 * (4 * 5120 * 2 / (450e9 * 0.8) + 10e-6)
     assert cm.decode(4, 4000) == pytest.approx(memory + allreduce + 0.001 + 64 * 30e-6, rel=1e-12)
 
-    # HiCache reload: each GPU copies its half of the KV over PCIe
+    # HiCache reload: each GPU copies its half of the KV over PCIe, layer by layer beside
+    # the forward: the longer of the two streams plus one layer (of 64) of the other
     assert cm.host_load(1000) == pytest.approx(1000 * 131072 / 50e9)
+    body = cm.prefill([(500, 600)]).seconds
     c = cm.prefill([(500, 600)], host_tokens=1000)
-    assert c.host_load == pytest.approx(cm.host_load(1000))
+    load = cm.host_load(1000)
+    assert load < body  # a small reload hides under the forward but for one layer of it
+    assert c.seconds == pytest.approx(body + load / 64)
+    assert c.parts["host_transfer"] == pytest.approx(load)
+    assert c.host_load == pytest.approx(load / 64)  # the part not hidden
     assert c.seconds == pytest.approx(c.prefill_new + c.host_load)
+    big = cm.prefill([(500, 600)], host_tokens=1_000_000)  # a reload longer than the forward
+    assert big.seconds == pytest.approx(cm.host_load(1_000_000) + body / 64)
 
 
 def test_cost_model_by_hand_deepseek_tp16():

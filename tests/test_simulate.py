@@ -93,15 +93,19 @@ def test_long_tool_waits_under_wset_keep_every_agent_resident(tmp_path):
 
 
 def test_host_tier_reloads_are_charged_at_its_bandwidth(tmp_path):
-    # the same pressured batch with a host tier at two reload rates: every reloaded token
-    # costs its KV bytes over the link, so the slow tier spends 10x the seconds per token
+    # the same pressured batch with a host tier at a slow reload rate: every reloaded token
+    # costs its KV bytes over the link, overlapped with the forward it comes in: what is
+    # charged is the transfer less at most the prefill time it hides under
     from runner.sim.engine import deployment
 
     w = synthetic("tiny", seed=3, final=(3000, 6000), gen=(30, 60))
     per_token = deployment("tiny-cpu").kv_bytes_per_token_per_gpu
-    for bw in (1e9, 1e8):
+    for bw in (1e8, 1e7):
         opts = {"max_total_tokens": 9000, "hicache_ratio": 2.0, "pcie_bytes_per_s": bw}
         r = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / f"h{bw:g}", engine_options=opts)
         e = r.engine
+        transfer = e["tokens_host_load"] * per_token / bw
         assert e["tokens_host_load"] > 0
-        assert e["seconds_host_load"] == pytest.approx(e["tokens_host_load"] * per_token / bw)
+        forwards = e["seconds_prefill_new"] + e["seconds_prefill_recompute"]
+        assert transfer - forwards <= e["seconds_host_load"] <= transfer
+        assert e["seconds_host_load"] > 0

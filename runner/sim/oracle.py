@@ -16,9 +16,11 @@ No schedule can finish sooner than any of:
   R'^2 / N (Cauchy-Schwarz), and the engine needs at least N iterations' fixed cost. The bound
   takes the N that is best for the schedule. Dropping trades memory for compute: each dropped
   token saves its tool's seconds of residency and costs its recompute (linear FLOPs and the
-  attention of its position; with a host tier, at most its PCIe reload), cheapest per
-  token-second first, paid both by the engine and by the dropping agent's own chain. The
-  bound is the least time at which all of this fits.
+  attention of its position), cheapest per token-second first, paid both by the engine and
+  by the dropping agent's own chain; with a host tier a dropped token may instead be
+  reloaded, which the forward can hide (the copy runs beside it, layer by layer) but the
+  PCIe link cannot: at most time / (seconds per token reloaded) tokens come back, those of
+  the longest tools first. The bound is the least time at which all of this fits.
 Each step produces its first token in its prefill and the rest in decode iterations. Template
 tokens the runner adds around each turn are left out, which only lowers the bound.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.
@@ -207,17 +209,18 @@ def _coupled_memory_bound(
             return None
         return base * rp + k * (max(tot.squares, rp * rp / n) + sys_tokens * rp)
 
-    items = _drop_items(cost, tot, sys_tokens, host_tier)
-    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden)
+    items = _drop_items(cost, tot, sys_tokens)
+    reload = cost.host_load(1) if host_tier else None
+    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden, reload)
 
 
 def _drop_items(
-    cost: CostModel, tot: _Totals, sys_tokens: int, host_tier: bool
+    cost: CostModel, tot: _Totals, sys_tokens: int
 ) -> list[tuple[float, float, int, int]]:
     """(tool seconds, seconds per dropped token, tokens, agent) per tool wait. Eviction takes
     leaves, so what an agent loses is a suffix of its context: recomputing x of its n tokens costs
     their linear FLOPs and attention over positions n - x .. n - 1, on average at least
-    (n + shared prompt) / 2 keys each (x <= n - shared). A host tier reloads at most that."""
+    (n + shared prompt) / 2 keys each (x <= n - shared)."""
     lin = cost.prefill_linear_per_token
     # one more token at position 1: its linear FLOPs and 2 more (query, key) pairs
     two = cost.prefill([(0, 2)]).parts["compute"] - cost.prefill([(0, 1)]).parts["compute"]
@@ -225,8 +228,6 @@ def _drop_items(
     out = []
     for t, n, whole, agent in tot.tools:
         per = lin + pair * (whole + sys_tokens) / 2
-        if host_tier:
-            per = min(per, cost.host_load(1))
         out.append((t, per, n, agent))
     return out
 
@@ -239,24 +240,44 @@ def _memory_bound(
     capacity: int,
     chains: Sequence[float] = (),
     hidden: Sequence[float] = (),
+    reload: float | None = None,
 ) -> float:
     """The least T >= floor at which the memory fits: capacity x T >= held(T) + the tools'
     residency - what drops save, where the drops' recompute fits both the engine
     (engine + cost <= T) and each agent's own chain (its drops cost it at least their
     recompute less what its prefills hide: chains[a] + cost_a - hidden[a] <= T; agent -1:
-    no chain). Feasibility only grows with T, so bisection; the answer is the largest T
-    shown infeasible (or floor), hence a lower bound."""
+    no chain). `reload`: seconds of PCIe per token reloaded from a host tier (None: none).
+    A reload may hide entirely under the forward that waits for it, so it costs neither
+    budget, but a run of T seconds reloads at most T / reload tokens: what reloads can save
+    is at most the token-seconds of the longest tools' T / reload tokens, and what they
+    leave the recompute greedy must save (counting a token in both only lowers the bound).
+    Feasibility only grows with T, so bisection; the answer is the largest T shown
+    infeasible (or floor), hence a lower bound."""
     if capacity <= 0:
         return math.inf
     tools = sum(t * n for t, _, n, _ in items)
     dear = math.inf  # a token held through no tool saves nothing
     order = sorted(items, key=lambda it: it[1] / it[0] if it[0] > 0 else dear)
+    longest = sorted(((sec, n) for sec, _, n, _ in items if sec > 0), reverse=True)
+
+    def reloaded(t: float) -> float:
+        """Token-seconds that reloads can save in a run of t seconds: at most."""
+        if reload is None:
+            return 0.0
+        left, saved = (math.inf if reload <= 0 else t / reload), 0.0
+        for sec, n in longest:
+            if left <= 0:
+                break
+            x = min(n, left)
+            saved, left = saved + x * sec, left - x
+        return saved
 
     def fits(t: float) -> bool:
         h = held(t)
         if h is None or engine > t:
             return False
-        need = h + tools - capacity * t  # token-seconds the drops must save
+        # token-seconds the drops must save
+        need = h + tools - capacity * t - reloaded(t)
         budget = t - engine
         left = [t - c + hidden[a] for a, c in enumerate(chains)]
         for sec, per, n, agent in order:

@@ -273,15 +273,32 @@ class CostModel:
         comm = self.allreduce(tokens)
         load = self.host_load(host_tokens)
         body = max(compute, memory) + comm + self._prefill_fixed
+        exposed = self.overlapped(body, load) - body
         recompute = min(max(recompute_tokens, 0), tokens)
         share = recompute / tokens if tokens else 0.0
         return IterationCost(
-            seconds=body + load,
+            seconds=body + exposed,
             prefill_new=body * (1.0 - share),
             prefill_recompute=body * share,
-            host_load=load,
-            parts={"compute": compute, "memory": memory, "allreduce": comm, "host_load": load},
+            host_load=exposed,
+            parts={
+                "compute": compute,
+                "memory": memory,
+                "allreduce": comm,
+                "host_transfer": load,
+                "host_load": exposed,
+            },
         )
+
+    def overlapped(self, body: float, load: float) -> float:
+        """A forward of `body` seconds that reloads `load` seconds of KV from host. SGLang's
+        HiCache copies layer by layer on its own stream and each layer's attention waits only
+        for its own layer (`LayerDoneCounter.wait_until`), so with L layers of equal share the
+        pipeline takes the longer stream plus one layer of the other."""
+        if load <= 0:
+            return body
+        layers = self.d.model.layers
+        return max(body + load / layers, load + body / layers)
 
     def decode(self, batch: int, ctx_tokens: int) -> float:
         """A decode iteration: `batch` requests each produce one token; ctx_tokens is the

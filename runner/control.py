@@ -115,6 +115,8 @@ class Controller:
             held_tool_seconds=in_tool,
             tool_durations=tools_done,
             recompute_token_seconds=cache.recompute_token_seconds,
+            host_reload_token_seconds=cache.host_reload_token_seconds,
+            period_seconds=self.period,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
             shared_tokens=self._shared_tokens(),

@@ -111,6 +111,9 @@ class Signals:
     shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
     host_capacity_tokens: int | None = None  # a host-memory KV tier (HiCache), tokens
     host_reload_cost: float | None = None  # reloading a token / recomputing it
+    # seconds of the host-to-device link per token reloaded from the host tier
+    host_reload_token_seconds: float | None = None
+    period_seconds: float | None = None  # the control period: seconds until the next update
 
 
 @dataclass(frozen=True)
@@ -325,6 +328,8 @@ class WorkingSet2:
     beta: float = 0.5
     use_host: bool = True
     drop_factor: float = 1.0  # x the break-even remaining tool time above which KV is dropped
+    # share of a period's host link time the agents resumed in it may take to reload
+    reload_share: float = 0.5
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset2"
@@ -338,6 +343,8 @@ class WorkingSet2:
         _check_fit_params("wset2", self.headroom_steps, self.max_recompute, self.beta)
         if self.drop_factor <= 0:
             raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
+        if not 0.0 < self.reload_share <= 1.0:
+            raise ValueError(f"wset2 reload_share must be in (0, 1], got {self.reload_share!r}")
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)  # nothing is resident yet: the first update fits it
@@ -348,7 +355,7 @@ class WorkingSet2:
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
         capacity = _capacity(s, self.use_host)
-        budget = (1.0 - self.reserve) * capacity - shared  # the shared prefix, stored once
+        budget = _reserved_budget(s, capacity, self.reserve) - shared  # shared prefix once
         contexts = s.contexts
         after = self._drop_after(s, capacity)
         if after is not None:  # holders in calls past it count nothing
@@ -359,7 +366,9 @@ class WorkingSet2:
             fit = _fit_dropping(contexts, budget, growth, shared, dropped)
         else:
             fit = contexts.fit(budget, growth, shared)
-        return _cut_or_fit(s, fit, self.max_recompute, self.beta)
+        d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
+        cap = _resume_cap(s, capacity > s.capacity_tokens, self.reload_share)
+        return d if cap is None or cap >= d.window else Decision(cap, "fit:reload-cap")
 
     def _drop_after(self, s: Signals, capacity: float) -> float | None:
         """Seconds in a tool call from which a holder's KV is dropped (None: never): the
@@ -444,6 +453,51 @@ def _capacity(s: Signals, use_host: bool) -> float:
         return device
     extra = max(0.0, s.host_capacity_tokens - device)
     return device + (extra if s.host_reload_cost < 1.0 else 0.0)
+
+
+def _resume_cap(s: Signals, host_counted: bool, share: float) -> int | None:
+    """The most slot holders after this period such that the paused agents it resumes can
+    reload their contexts within `share` of the period's host-to-device link time (None: no
+    cap). A paused agent's KV went to the host tier; it comes back when the agent's next
+    request is admitted, inside that prefill, and a prefill whose reloads outlast its forward
+    stalls every running request's decode for the rest. Resumed in a burst, their reloads
+    contend; capped per period they are spread out. Pending agents (never admitted) have
+    nothing to reload, and the shared prefix stays on the device; at least one resumes."""
+    per, period = s.host_reload_token_seconds, s.period_seconds
+    if not host_counted or not per or not period:
+        return None
+    contexts, shared = s.contexts, s.shared_tokens or 0
+    held = contexts.held
+    resumable = len(contexts) - held - s.pending  # the paused waiters come first
+    if resumable <= 1:
+        return None
+    tokens = share * period / per
+    base = contexts.total(held)
+
+    def reload(j: int) -> float:  # tokens the first j paused waiters bring back
+        return max(0.0, contexts.total(held + j) - base - j * shared)
+
+    if reload(resumable) <= tokens:
+        return None
+    j = bisect.bisect_right(range(resumable + 1), tokens, key=reload) - 1
+    return held + max(1, j)
+
+
+def _reserved_budget(s: Signals, capacity: float, reserve: float) -> float:
+    """`wset2`'s tokens for the working set: `capacity` less its `reserve` share, which a
+    host tier counted in `capacity` waives while every agent's context (holders and
+    waiters, the shared prefix once) fits both tiers: then nobody needs to wait, since
+    overflowing the device costs reloads, not recomputes. Once the contexts exceed the
+    tiers, agents rotate through the window and each one paused or finished leaves KV that
+    the host store's LRU keeps over a live agent's: the reserve absorbs it, as on the device.
+    (Kept in proportion to the excess instead, reaching the full share at 1.1x or 2x the
+    tiers, Qwen TP2 took 1,990 / 2,015 s against 1,967 s: docs/policies.md.)"""
+    if capacity <= float(s.capacity_tokens or 0):
+        return (1.0 - reserve) * capacity
+    contexts, shared = s.contexts, s.shared_tokens or 0
+    n = len(contexts)
+    demand = contexts.total(n) - shared * max(0, n - 1)
+    return capacity if demand <= capacity else (1.0 - reserve) * capacity
 
 
 def _fit_dropping(

@@ -898,6 +898,7 @@ class SimEngine:
                 else None
             ),
             recompute_token_seconds=self._recompute_token_seconds,
+            host_reload_token_seconds=self.cost.host_load(1) if self.hicache_tokens else None,
             extra={
                 "physical_occupancy": (cap - free) / cap,
                 "free_tokens": free,

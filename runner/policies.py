@@ -495,9 +495,8 @@ def _reserved_budget(s: Signals, capacity: float, reserve: float) -> float:
     if capacity <= float(s.capacity_tokens or 0):
         return (1.0 - reserve) * capacity
     contexts, shared = s.contexts, s.shared_tokens or 0
-    n = len(contexts)
-    demand = contexts.total(n) - shared * max(0, n - 1)
-    return capacity if demand <= capacity else (1.0 - reserve) * capacity
+    everyone_fits = contexts.fit(capacity - shared, 0.0, shared) >= len(contexts)
+    return capacity if everyone_fits else (1.0 - reserve) * capacity
 
 
 def _fit_dropping(

@@ -38,12 +38,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .gate_order import UNPLACED, Block, ContextsView, KeepOrder
+from .gate_order import UNPLACED, Block, ContextsView, KeepOrder, ToolCalls, ToolsView
 
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
@@ -102,9 +102,7 @@ class ControlledGate(Protocol):
 
     def contexts(self) -> ContextsView: ...
 
-    def tool_seconds(self) -> tuple[float, ...]: ...
-
-    def tool_durations(self) -> tuple[float, ...]: ...
+    def tools(self) -> ToolsView: ...
 
     def growth_per_step(self) -> float | None: ...
 
@@ -175,10 +173,11 @@ class Gate:
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
-        # the latest tool calls' durations (request finished -> next acquire), timed only
-        # for policies that read them (two clock reads a step otherwise wasted)
+        # the holders in tool calls and the latest calls' durations (request finished ->
+        # next acquire), timed only for policies that read them (two clock reads a step
+        # otherwise wasted)
         self._track_tools = track_tools
-        self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
+        self._calls = ToolCalls(TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -199,7 +198,8 @@ class Gate:
         old = a.context
         a.context = context_tokens
         if a.tool_since is not None:  # back from a tool call: how long it took
-            self._tool_durations.append(self._clock() - a.tool_since)
+            self._calls.done(self._clock() - a.tool_since)
+            self._calls.end(a)
             a.tool_since = None
         if a.state == "active":  # the hot path: an admitted agent between steps
             a.block.total += context_tokens - old  # its block's running total, in O(1)
@@ -252,11 +252,15 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
-        if a is not None and self._track_tools:
+        if a is None:
+            return
+        if self._track_tools:
             a.tool_since = self._clock()
-        if self.unit == "request" and a is not None and a.state in HOLDING:
+        if self.unit == "request" and a.state in HOLDING:
             self._move(a, "idle")
             self._fill()
+        elif self._track_tools and a.state in HOLDING:
+            self._calls.begin(a)
 
     def finish(self, key: str) -> None:
         """The agent ended (any status): free its slot for good."""
@@ -320,22 +324,13 @@ class Gate:
         the gate keeps (gate_order.py): O(1) to get, no sort."""
         return ContextsView(self._keep)
 
-    def tool_seconds(self) -> tuple[float, ...]:
-        """Seconds each slot holder has spent since its last request finished (in a tool
-        call, or preparing its next turn), 0 while its request is in the engine; in the
-        order of `contexts()`'s held agents. The keep order's holder segments are walked in
-        order: O(holders), no sort; read only for policies that want it (`wants_tools`)."""
-        now, keep = self._clock(), self._keep
-        return tuple(
-            0.0 if (t := a.tool_since) is None else now - t
-            for seg in (keep.active, keep.marked)
-            for b in seg.blocks
-            for a in b.items
-        )
-
-    def tool_durations(self) -> tuple[float, ...]:
-        """Durations of the latest tool calls (at most TOOL_DURATIONS_KEPT), oldest first."""
-        return tuple(self._tool_durations)
+    def tools(self) -> ToolsView:
+        """The slot holders' tool calls (seconds since each one's request finished: in a tool
+        call, or preparing its next turn) and the latest finished calls' durations (at most
+        TOOL_DURATIONS_KEPT), as of now: a view of what the gate keeps in order (the holders
+        by when their call began, the durations sorted), answered without a walk of the
+        holders; kept only for policies that want it (`wants_tools`)."""
+        return ToolsView(self._keep, self._calls, self._clock())
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]
@@ -384,6 +379,11 @@ class Gate:
         n[a.state] -= 1
         n[state] += 1
         self._keep.remove(a)
+        if a.tool_since is not None:  # a holder in a call is among the open calls
+            if state not in HOLDING:
+                self._calls.end(a)
+            elif a.state not in HOLDING:  # a call reported while it waited (tests do)
+                self._calls.begin(a)
         a.state = state
         if state == "active":
             self._keep.active.add(a, a.admitted_seq)

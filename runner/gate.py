@@ -22,9 +22,10 @@ States of an agent:
   and RESUME_RULES; pending agents are admitted in task order).
 - Waiting is one future per agent; a slot granted to a waiter that got cancelled is passed on.
 - The hot path (acquire while admitted) is O(1); done_request, finish and admitting a waiter
-  are O(log n): heaps for the waiters, counts kept incrementally, and every agent kept in the
-  order the policies read (runner/gate_order.py: the contexts' running totals, updated as
-  they change). So a control period sorts nothing: `contexts()` is a view, resizing touches
+  are O(log n): counts kept incrementally, and every holder and waiter kept in the order the
+  policies read (runner/gate_order.py: the contexts' running totals, updated as they change),
+  which is also the order waiters get slots in (the first of the paused, then of the
+  pending). So a control period sorts nothing: `contexts()` is a view, resizing touches
   only the agents it pauses or unmarks (the pause rules by context select from the active
   agents: O(n), those two rules only). `bench/gate_bench.py` measures it with 10,000 agents.
 
@@ -165,8 +166,6 @@ class Gate:
         self._agents: dict[str, _Agent] = {}
         self._n: Counter[str] = Counter()  # agents per state
         self._keep = KeepOrder()  # holders and waiters in the order the policies read
-        self._paused_q: list[tuple[float, int, str]] = []  # waiting at a boundary
-        self._pending_q: list[tuple[int, str]] = []  # waiting for a first (or next) slot
         self._order = itertools.count()
         self._admit_seq = itertools.count()
         self._window = max(1, window)
@@ -230,14 +229,9 @@ class Gate:
             a.wait_since = now
             a.order = next(self._order)
         a.waiter = asyncio.get_running_loop().create_future()
-        if a.state == "paused":
-            heapq.heappush(self._paused_q, (*self._resume_key(a), key))
-        else:
-            heapq.heappush(self._pending_q, (a.order, key))
         try:
+            self._place_waiter(a)
             self._fill()  # may grant this very agent
-            if a.block is UNPLACED:  # still waiting: it takes its place among the waiters
-                self._place_waiter(a)
             await a.waiter
         except asyncio.CancelledError:
             if a.state in HOLDING:  # granted just as we were cancelled: pass the slot on
@@ -392,7 +386,7 @@ class Gate:
 
     def _place_waiter(self, a: _Agent) -> None:
         """A waiter (an agent inside acquire that holds no slot) takes its place in the order
-        it would get one. Registered agents that never asked, idle and finished ones have
+        it will get one. Registered agents that never asked, idle and finished ones have
         none."""
         if a.state == "paused":
             self._keep.paused.add(a, self._resume_key(a))
@@ -417,16 +411,6 @@ class Gate:
             return (-(a.paused_since or 0.0), a.order)
         return (a.paused_since or 0.0, a.order)
 
-    def _pop_waiter(self, queue: list, state: str) -> _Agent | None:
-        """The first agent of a queue that still waits in `state` (stale entries dropped)."""
-        while queue:
-            a = self._agents[queue[0][-1]]
-            if a.state == state and a.waiter is not None and not a.waiter.done():
-                heapq.heappop(queue)
-                return a
-            heapq.heappop(queue)
-        return None
-
     def _fill(self) -> None:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
@@ -446,11 +430,11 @@ class Gate:
 
     def _next_waiter(self) -> _Agent | None:
         """The next agent to get a slot: a paused one first, then a pending one."""
-        if self._paused_q:
-            a = self._pop_waiter(self._paused_q, "paused")
-            if a is not None:
-                return a
-        return self._pop_waiter(self._pending_q, "pending") if self._pending_q else None
+        for seg in (self._keep.paused, self._keep.pending):
+            for a in seg:  # a cancelled one leaves when its task runs on
+                if a.waiter is not None and not a.waiter.done():
+                    return a
+        return None
 
     def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":

@@ -230,8 +230,14 @@ class Gate:
             a.order = next(self._order)
         a.waiter = asyncio.get_running_loop().create_future()
         try:
-            self._place_waiter(a)
-            self._fill()  # may grant this very agent
+            keep, n = self._keep, self._n
+            if not (n["marked"] or keep.paused.size or keep.pending.size) and (
+                n["active"] < self._window
+            ):  # room, and nobody to unmark or ahead of it: what _fill would do, at once
+                self._grant(a, now)
+            else:
+                self._place_waiter(a)
+                self._fill()  # may grant this very agent
             await a.waiter
         except asyncio.CancelledError:
             if a.state in HOLDING:  # granted just as we were cancelled: pass the slot on

@@ -33,9 +33,20 @@ from typing import Any
 
 from .engine import CostModel
 from .engine import deployment as sim_deployment
+from .engine.scheduler import (
+    CLIP_MAX_NEW_TOKENS,
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO_FACTOR,
+)
 from .workload import Workload
 
 CHUNK = 8192  # SGLang's default chunked_prefill_size
+MAX_NEW_TOKENS = 4096  # what the simulated runner asks per request (simulate.SIM_SAMPLING)
+# the least new_token_ratio a run that never retracts sees (schedule_conservativeness 1)
+MIN_RATIO = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
+# template tokens the runner adds per turn, at most (ChatML: a handful; tests/test_oracle.py
+# measures them): only used to tell whether the engine's clip of max_new_tokens can bind
+TEMPLATE_PER_TURN = 64
 
 
 @dataclass
@@ -54,6 +65,21 @@ class _Totals:
     tools: list[tuple[float, int, int, int]] = field(default_factory=list)
     # per agent: seconds of recompute its own prefills can hide under their weight reads
     hidden: list[float] = field(default_factory=list)
+    # admission: sum over decoding steps of (g - 1) x (private prompt + MIN_RATIO x (reserve
+    # + 1 - g)), and the least reserve min(max_new, 4096) of those steps (_admission_iters)
+    admission: float = 0.0
+    reserve_min: int = CLIP_MAX_NEW_TOKENS
+
+
+def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
+    """A floor on min(max_new_tokens, 4096) of every request of an agent, which the engine
+    clips to min(context, pool) - 2 - prompt: its prompts are at most its final context plus
+    TEMPLATE_PER_TURN per turn. 0 (no credit) where the clip could bind."""
+    a = workload.agents[agent]
+    limit = min(cost.d.max_context, cost.d.pool_tokens) - 2
+    longest = workload.system_tokens + a.total_tokens() + TEMPLATE_PER_TURN * (len(a.steps) + 1)
+    want = min(MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+    return want if limit - longest >= want else 0
 
 
 def _totals(workload: Workload, cost: CostModel) -> _Totals:
@@ -65,6 +91,7 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
     for agent, a in enumerate(workload.agents):
         start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
         chain = hidden = 0.0
+        reserve = _reserve(workload, cost, agent)
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
@@ -75,6 +102,9 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
                 hidden += max(0.0, solo.parts["memory"] - solo.parts["compute"])
             # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
             n, own = s.gen_tokens - 1, ctx - sys_tokens
+            if n:
+                tot.admission += n * (own + MIN_RATIO * (reserve + 1 - s.gen_tokens))
+                tot.reserve_min = min(tot.reserve_min, reserve)
             tot.decode += n
             tot.reads += n * ctx + n * (n + 1) // 2
             tot.private_reads += n * own + n * (n + 1) // 2
@@ -130,12 +160,13 @@ def lower_bound(
     # Every request in one decode iteration is resident at once: their contexts (the shared
     # prompt once) fit the pool, so there are at least this many iterations.
     mem_iters = math.ceil(tot.private_reads / max(1, capacity - sys_tokens))
-    decode = max(decode, _decode_floor(cost, mem_iters, gen, reads))
+    min_iters = max(mem_iters, _admission_iters(tot, sys_tokens, capacity))
+    decode = max(decode, _decode_floor(cost, min_iters, gen, reads))
     engine = prefill + decode
     chain = max(tot.chains, default=0.0)
     memory = _coupled_memory_bound(
         cost, tot, len(workload.agents), sys_tokens, capacity, host_tier,
-        max(engine - slack, prefill_compute), engine,
+        max(engine - slack, prefill_compute), engine, prefill, min_iters,
     )  # fmt: skip
     return {
         "bound_seconds": round(max(memory, chain), 3),
@@ -145,6 +176,18 @@ def lower_bound(
         "decode_seconds": round(decode, 3),
         "longest_chain_seconds": round(chain, 3),
     }
+
+
+def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
+    """Decode iterations the admission rule forces (docs/simulator.md, item 4): a request
+    is admitted only while the running ones' contexts, its own, its reserve M and at least
+    MIN_RATIO x (M - generated) for each running one fit the pool; so every decode batch has
+    sum over its requests of (private prompt + MIN_RATIO (M + 1 - g)) below
+    capacity - shared prompt - (1 - MIN_RATIO) x the least M."""
+    room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+    if tot.decode <= 0 or room <= 0:
+        return 0
+    return max(0, math.ceil(tot.admission / room))
 
 
 def _decode_floor(cost: CostModel, iters: int, gen_tokens: int, ctx_reads: int) -> float:
@@ -175,15 +218,17 @@ def _coupled_memory_bound(
     host_tier: bool,
     engine: float,
     floor: float,
+    prefill: float = 0.0,
+    min_iters: int = 0,
 ) -> float:
-    """The memory bound, coupled to N, the iterations that produce decode tokens. Each of
-    them, decode or a retracted request's re-prefill, lasts at least base + k x C (one
-    token's weights, launch and all-reduce latency, plus reading the C context tokens of its
-    requests) while those contexts are resident, so (C' = C without the shared prompt)
-    their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) + sys R');
-    and the N iterations take >= N base + k R + the extra weights and all-reduce bytes of
-    batching, so a run of T seconds has N <= N(T). `engine` is the work the drops'
-    recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
+    """The memory bound, coupled to N, the decode iterations. Each lasts at least base +
+    k x C (one token's weights, launch and all-reduce latency, plus reading the C context
+    tokens of its requests) while those contexts are resident, so (C' = C without the shared
+    prompt) their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) +
+    sys R'); and the N iterations take >= N base + k R + the extra weights and all-reduce
+    bytes of batching, in the time the prefill iterations (>= `prefill` seconds) leave, so a
+    run of T seconds has N <= N(T); N >= `min_iters` (the pool, admission). `engine` is the
+    work the drops' recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
     one = cost.decode_parts(1, 0)
     base = one["memory"] + one["allreduce"] + one["overhead"]
     k = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
@@ -193,10 +238,10 @@ def _coupled_memory_bound(
     per_tok = (wide - one["memory"]) / max(1, agents - 1)
     per_tok += cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
     rp, g = tot.private_reads, tot.decode
-    fixed_part = g * per_tok + k * tot.reads
+    fixed_part = prefill + g * per_tok + k * tot.reads
     slope = base - per_tok  # >= 0: w(agents) <= agents x w(1) for concave w, w(0) >= 0
     # at most `agents` requests per iteration, and their contexts fit the pool
-    lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens))
+    lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens), float(min_iters))
 
     def held(t: float) -> float | None:
         """Decode residency of a run of t seconds (None: too short for its iterations)."""

@@ -44,9 +44,10 @@ CHUNK = 8192  # SGLang's default chunked_prefill_size
 MAX_NEW_TOKENS = 4096  # what the simulated runner asks per request (simulate.SIM_SAMPLING)
 # the least new_token_ratio a run that never retracts sees (schedule_conservativeness 1)
 MIN_RATIO = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
-# template tokens the runner adds per turn, at most (ChatML: a handful; tests/test_oracle.py
-# measures them): only used to tell whether the engine's clip of max_new_tokens can bind
-TEMPLATE_PER_TURN = 64
+# template tokens the runner adds to an agent's context, at most (its instructions once, the
+# chat template per turn; tests/test_oracle.py measures them): only used to tell whether the
+# engine's clip of max_new_tokens can bind
+TEMPLATE_ONCE, TEMPLATE_PER_TURN = 512, 64
 
 
 @dataclass
@@ -66,7 +67,7 @@ class _Totals:
     # per agent: seconds of recompute its own prefills can hide under their weight reads
     hidden: list[float] = field(default_factory=list)
     # admission: sum over decoding steps of (g - 1) x (private prompt + MIN_RATIO x (reserve
-    # + 1 - g)), and the least reserve min(max_new, 4096) of those steps (_admission_iters)
+    # - 1)), and the least reserve min(max_new, 4096) of those steps (_admission_iters)
     admission: float = 0.0
     reserve_min: int = CLIP_MAX_NEW_TOKENS
 
@@ -74,10 +75,11 @@ class _Totals:
 def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
     """A floor on min(max_new_tokens, 4096) of every request of an agent, which the engine
     clips to min(context, pool) - 2 - prompt: its prompts are at most its final context plus
-    TEMPLATE_PER_TURN per turn. 0 (no credit) where the clip could bind."""
+    the runner's template tokens. 0 (no credit) where the clip could bind."""
     a = workload.agents[agent]
     limit = min(cost.d.max_context, cost.d.pool_tokens) - 2
-    longest = workload.system_tokens + a.total_tokens() + TEMPLATE_PER_TURN * (len(a.steps) + 1)
+    template = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
+    longest = workload.system_tokens + a.total_tokens() + template
     want = min(MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
     return want if limit - longest >= want else 0
 
@@ -103,7 +105,7 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
             # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
             n, own = s.gen_tokens - 1, ctx - sys_tokens
             if n:
-                tot.admission += n * (own + MIN_RATIO * (reserve + 1 - s.gen_tokens))
+                tot.admission += n * (own + MIN_RATIO * (reserve - 1))
                 tot.reserve_min = min(tot.reserve_min, reserve)
             tot.decode += n
             tot.reads += n * ctx + n * (n + 1) // 2
@@ -175,14 +177,15 @@ def lower_bound(
         "prefill_seconds": round(prefill, 3),
         "decode_seconds": round(decode, 3),
         "longest_chain_seconds": round(chain, 3),
+        "decode_iterations_min": max(min_iters, iters),
     }
 
 
 def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
-    """Decode iterations the admission rule forces (docs/simulator.md, item 4): a request
+    """Decode iterations the admission rule forces (docs/simulator.md, item 1): a request
     is admitted only while the running ones' contexts, its own, its reserve M and at least
     MIN_RATIO x (M - generated) for each running one fit the pool; so every decode batch has
-    sum over its requests of (private prompt + MIN_RATIO (M + 1 - g)) below
+    sum over its requests of (private prompt + MIN_RATIO (M - 1)) below
     capacity - shared prompt - (1 - MIN_RATIO) x the least M."""
     room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
     if tot.decode <= 0 or room <= 0:

@@ -439,3 +439,19 @@ async def test_agent_memory_is_bounded_shared_mappings_included(
     assert "survived" not in r.output and "rc=137" in r.output
     r = await run(sb, base, UID + 44, "echo fine")  # the agent goes on after the kill
     assert r.output.strip() == "fine"
+
+
+async def test_user_mode_sweep_repeats_while_it_finds_processes() -> None:
+    """A process forked while a pass ran is caught by the next pass; at most three."""
+    from tools.sandbox.processes import sweep_until_none
+
+    for found, calls in (([2, 1, 0], 3), ([0], 1), ([4, 0], 2), ([5] * 9, 3)):
+        left = iter(found)
+        seen: list[int] = []
+
+        def kill(left: Any = left, seen: list[int] = seen) -> int:
+            seen.append(n := next(left))
+            return n
+
+        await sweep_until_none(kill)
+        assert len(seen) == calls, (found, seen)

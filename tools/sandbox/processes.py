@@ -399,6 +399,14 @@ async def sweep_uid(argv: list[str]) -> None:
             return
 
 
+async def sweep_until_none(kill: Callable[[], int], passes: int = 3) -> None:
+    """User mode's sweep: `kill()` (SIGKILL the agent's marked processes, -> how many) again
+    while it found some, for a process forked during the pass before, as `sweep_uid`."""
+    for _ in range(passes):
+        if not await asyncio.to_thread(kill):
+            return
+
+
 async def watch(
     run: Run, workspace: Path, limits: Limits, start: float, baseline: int, check_disk: bool
 ) -> tuple[bool, bool]:

@@ -36,7 +36,7 @@ from .bwrap import (
 from .cgroups import cgroup_prefix, close_cgroups
 from .filesystem import disk_usage, prepare_tree
 from .limits import ExecResult, Limits, SandboxUnavailable, check_uid
-from .processes import Run, inflight, normalize_rc, spawn, sweep_uid, watch
+from .processes import Run, inflight, normalize_rc, spawn, sweep_uid, sweep_until_none, watch
 from .reaper import AGENT_MARK, MARK, kill_marked, run_mark
 from .workspaces import WorkspaceBound, space, workspace_bound
 
@@ -374,12 +374,10 @@ class UnsandboxedSandbox(Sandbox):
         if self.user:  # never `kill -1` as the user: that would kill the runner too
             agent = {MARK.encode(): self._mark.encode(), AGENT_MARK.encode(): str(uid).encode()}
 
-            async def sweep_marked() -> None:
-                await asyncio.to_thread(
-                    kill_marked, lambda env: all(env.get(k) == v for k, v in agent.items())
-                )
+            def ours(env: dict[bytes, bytes]) -> bool:
+                return all(env.get(k) == v for k, v in agent.items())
 
-            return sweep_marked
+            return lambda: sweep_until_none(lambda: kill_marked(ours))
         # No prlimit here: the sweep must work even while the uid is at its nproc limit.
         killer = [self._kill, "-KILL", "-1"] if self._kill else [BASH, "-c", "kill -KILL -1"]
         argv = [

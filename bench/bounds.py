@@ -95,6 +95,11 @@ def report(records: list[dict[str, Any]], seed: int = 0) -> tuple[str, list[str]
         ]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"Runs faster than their bound (would make the bound invalid): {faster or 'none'}."]
+    retracted = [r["run"] for r in records if r.get("engine", {}).get("retractions", 0)]
+    out += [
+        "Runs that retract (outside the no-retraction assumption of the engine term, the "
+        f"admission reserve and the coupled memory term): {retracted or 'none'}."
+    ]
     return "\n".join(out) + "\n", faster
 
 

@@ -19,6 +19,10 @@ No schedule can finish sooner than any of:
   attention of its position; with a host tier, at most its PCIe reload), cheapest per
   token-second first, paid both by the engine and by the dropping agent's own chain. The
   bound is the least time at which all of this fits.
+The engine term also counts the decode iterations SGLang's admission reserve forces (each
+admission needs min(max_new, 4096) free beyond the running requests' contexts and >= 0.098 x
+their reserves), and the memory term's decode iterations fit in the time the prefill leaves;
+both, like the engine term, for runs that never retract (every bench run).
 Each step produces its first token in its prefill and the rest in decode iterations. Template
 tokens the runner adds around each turn are left out, which only lowers the bound.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.

@@ -7,7 +7,9 @@ No schedule can finish sooner than any of:
   once per iteration, the KV of each token's context read once), and at least as many
   decode iterations as the pool needs to hold the contexts they read;
 - the longest agent's own serial chain: its prefills and its decodes at batch 1, plus its
-  tools, one after another;
+  tools, one after another; and that chain with the GPU it shares: the other agents' decode
+  tokens either ride in its decode iterations, each lengthening them, or run in iterations
+  without it, which fit only in its tools or hold it up;
 - the KV pool's memory-time: `capacity` x time must cover the token-seconds the contexts are
   resident. Every context is resident while a token of it is produced (the whole iteration)
   and, unless it is dropped and later recomputed, while its tool runs. Producing tokens in
@@ -22,7 +24,8 @@ No schedule can finish sooner than any of:
 The engine term also counts the decode iterations SGLang's admission reserve forces (each
 admission needs min(max_new, 4096) free beyond the running requests' contexts and >= 0.098 x
 their reserves), and the memory term's decode iterations fit in the time the prefill leaves;
-both, like the engine term, for runs that never retract (every bench run).
+both, like the engine term and the shared chain, for runs that never retract (every bench
+run). MoE decode iterations read the experts a batch adds (the concave chord).
 Each step produces its first token in its prefill and the rest in decode iterations. Template
 tokens the runner adds around each turn are left out, which only lowers the bound.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.

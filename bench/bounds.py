@@ -64,9 +64,9 @@ def report(records: list[dict[str, Any]], seed: int = 0) -> tuple[str, list[str]
         "the quickest recorded run of the row without one, and every record of the row "
         "(robustness sweeps and engine variants included) is checked against its bound."
     )
-    out += ["", "| row | bound s | engine / memory / chain / shared chain | binding | host-tier bound s "
-            f"| {CANDIDATE} s | {CANDIDATE} / bound | fastest device run | it / bound | "
-            "runs checked |", "|---" * 10 + "|"]  # fmt: skip
+    out += ["", "| row | bound s | engine / memory / chain / shared chain | binding "
+            f"| host-tier bound s | {CANDIDATE} s | {CANDIDATE} / bound | fastest device run "
+            "| it / bound | runs checked |", "|---" * 10 + "|"]  # fmt: skip
     faster: list[str] = []
     for key, title, dep, wl in rows():
         runs = by_row.get(key, [])

@@ -28,6 +28,7 @@ from tools.sandbox import (
     BwrapSandbox,
     Limits,
     UnsandboxedSandbox,
+    limits_line,
     make_workspace,
     move_tree,
     remove_tree,
@@ -256,3 +257,31 @@ def test_every_size_is_exact(mib: int, root: Path) -> None:
         assert used_now + free == bound.limit and used_now <= 4096
         remove_tree(ws)
         assert not mounted_under(ws)
+
+
+@pytest.mark.parametrize("fs", ["tmpfs", "ext4", "watch"])
+def test_start_up_line_probes_the_bound(fs: str, needs_bwrap) -> None:
+    """The start-up log's workspace bound comes from a workspace really made (and removed)
+    of the kind asked for, not from a guess; the probe leaves no mount and no folder."""
+    before = set(Path(tempfile.gettempdir()).glob("concur-ws-probe-*"))
+    line = limits_line(BwrapSandbox(False), Limits(), fs)
+    want = "watched (asked for)" if fs == "watch" else f"exact ({fs})"
+    assert line.endswith(f"workspace {Limits().workspace_bytes // 2**20} MiB, {want}"), line
+    assert set(Path(tempfile.gettempdir()).glob("concur-ws-probe-*")) == before
+    assert not [m for m in mounted_under(Path(tempfile.gettempdir())) if "probe" in m]
+
+
+def test_start_up_line_says_why_not_exact_when_not_root(needs_bwrap) -> None:
+    """As a real unprivileged user the probe cannot mount: the line says watched, and why."""
+    code = (
+        "from tools.sandbox import Limits, limits_line, make_sandbox; "
+        "print(limits_line(make_sandbox('bwrap-user'), Limits(), 'tmpfs'))"
+    )
+    out = subprocess.run(
+        reachable_by_others(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                             sys.executable, "-c", code]),
+        cwd=ROOT, capture_output=True, text=True, check=True,
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.stdout.strip().endswith("MiB, watched (not root: only root can mount a "
+                                       "filesystem per workspace)"), out.stdout  # fmt: skip

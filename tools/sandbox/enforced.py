@@ -11,6 +11,7 @@ from typing import Any
 from .cgroups import CgroupState, in_force
 from .limits import CommandSandbox, Limits
 from .sandboxes import BwrapSandbox, Sandbox
+from .workspaces import probe_workspace
 
 BWRAP_FILESYSTEM = (
     "own mount namespace: read-only /usr and a few /etc files, the workspace at /work, "
@@ -95,16 +96,18 @@ def _workspace(limits: Limits, fs: str) -> dict[str, Any]:
 
 
 def limits_line(sandbox: CommandSandbox, limits: Limits, workspace_fs: str = "watch") -> str:
-    """The same in one log line."""
+    """The same in one log line, before any agent starts: the workspace bound is that of a
+    probe workspace made and removed now, so "exact" means one could be mounted."""
     d = limits_in_force(sandbox, limits, workspace_fs)
     if "memory" not in d:
         return f"sandbox {d['sandbox']}"
     mem, procs = d["memory"], d["processes"]
+    probe = probe_workspace(limits.workspace_bytes, workspace_fs)
+    bound = f"exact ({probe.fs})" if probe.exact else f"watched ({probe.why or 'asked for'})"
     return (
         f"sandbox {d['sandbox']} mode ({sandbox.mode}): network {d['network'].split(' ')[0]}; "
         f"memory {mem['max_bytes'] // 2**20} MiB per {mem['per']} ({mem['by'].split(':')[0]}); "
         "processes "
         f"{procs['max']} per {procs['per']} ({procs['by']}); workspace "
-        f"{limits.workspace_bytes // 2**20} MiB, {d['workspace']['bound']} "
-        f"({d['workspace']['fs']})"
+        f"{limits.workspace_bytes // 2**20} MiB, {bound}"
     )

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -94,6 +95,19 @@ def make_workspace(path: Path, limit: int, fs: str = DEFAULT_FS) -> WorkspaceBou
     bound = WorkspaceBound(fs, size)
     _MOUNTED[path] = (bound, os.stat(path).st_dev)
     return bound
+
+
+def probe_workspace(limit: int, fs: str = DEFAULT_FS) -> WorkspaceBound:
+    """Make one workspace of kind `fs` in the temporary folder and remove it: the bound the
+    run's workspaces will get here, known before any agent starts (for the start-up log)."""
+    if fs == "watch":
+        return WorkspaceBound("watch", limit)
+    top = Path(tempfile.mkdtemp(prefix="concur-ws-probe-"))
+    try:
+        return make_workspace(top / "probe", limit, fs)
+    finally:
+        release(top)
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def workspace_bound(path: Path) -> WorkspaceBound | None:

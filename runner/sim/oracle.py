@@ -303,7 +303,9 @@ def _shared_chain_bound(
     # the others' prefill compute, less what the agent's own prefills leave idle under their
     # weight reads (where it could ride for free)
     prefill = max(0.0, sum(tot.agent_compute) - tot.agent_compute[agent] - tot.agent_slack[agent])
-    rest_fixed = g_rest * mu + k * (tot.reads - tot.agent_reads[agent]) + prefill
+    # ride + rest: every other token's mu and reads wherever it runs (less what hides under
+    # the agent's own compute), the prefill, and base - mu per iteration without the agent
+    rest_fixed = g_rest * mu + k * (tot.reads - tot.agent_reads[agent]) + prefill - hide
     least_reads = _least_sum([(c, n) for c, n, _ in tot.steps])
     most_weight = _least_sum([(-w, n) for _, n, w in tot.steps])
     weight_rest = tot.admission - tot.agent_admission[agent]

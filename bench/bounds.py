@@ -99,7 +99,7 @@ def report(records: list[dict[str, Any]], seed: int = 0) -> tuple[str, list[str]
     retracted = [r["run"] for r in records if r.get("engine", {}).get("retractions", 0)]
     out += [
         "Runs that retract (outside the no-retraction assumption of the engine term, the "
-        f"admission reserve and the coupled memory term): {retracted or 'none'}."
+        f"admission reserve, the shared chain and the coupled memory term): {retracted or 'none'}."
     ]
     return "\n".join(out) + "\n", faster
 

@@ -9,11 +9,13 @@ from runner.control import Controller
 from runner.engine import CacheStats
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.gate import Gate
-from runner.policies import ContextList, Signals, WorkingSet2, make_policy
+from runner.policies import ContextList, Signals, ToolList, WorkingSet2, make_policy
 from runner.sim.engine import make_sim_engine
 
 
-def host_sig(held, paused=(), pending=(), capacity=10_000, **kw):
+def host_sig(
+    held, paused=(), pending=(), capacity=10_000, held_tool_seconds=(), tool_durations=(), **kw
+):
     """Slot holders `held`, then the paused waiters, then the pending ones (the gate's
     order), on a 10K device pool."""
     waiting = (*paused, *pending)
@@ -30,6 +32,7 @@ def host_sig(held, paused=(), pending=(), capacity=10_000, **kw):
         capacity_tokens=capacity,
         contexts=ContextList(tuple(held), tuple(waiting)),
         growth_per_step=0.0,
+        tools=ToolList(tuple(held_tool_seconds), tuple(tool_durations), tuple(held)),
     )
     base.update(kw)
     return Signals(**base)

@@ -361,7 +361,9 @@ class WorkingSet2:
       for the running requests' decode, and dead KV that LRU keeps over a live agent's), and
       never more: a working set beyond the device pool thrashes, so no setting of this
       policy overcommits it (a host tier whose reloads are cheaper than recomputes adds its
-      capacity beyond the device's copies, as in `wset`).
+      capacity beyond the device's copies, as in `wset`; with it the reserve is waived while
+      every context fits both tiers, `_reserved_budget`, and resumes are spread over the
+      host link, `_resume_cap`).
     - A slot holder in a tool call whose expected remaining time is long counts nothing: the
       window admits others in its place, and the engine's LRU evicts the longest-idle
       prefixes first, which are exactly these; the agent recomputes its context when the tool

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # where `runner` is imported from: this checkout, or a --baseline ref's copy
 sys.path.insert(0, os.environ.get("GATE_BENCH_CODE", str(Path(__file__).resolve().parents[1])))
@@ -159,7 +160,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     one, and the clock moves 1 s. The break-even is 20 s: a holder half a second into a call
     is in a long one, and its KV is dropped from the fit."""
     try:
-        from runner.policies import WorkingSet2, _RemainingTime
+        from runner.policies import WorkingSet2
     except ImportError:  # a --baseline before wset2: nothing to measure
         return {}
     rng, now = random.Random(2), [0.0]
@@ -196,14 +197,17 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
         t = cpu()
         ctl.step()
         spent.append(cpu() - t)
-        tools, durations = gate.tool_seconds(), gate.tool_durations()
-        after = _RemainingTime(durations).first_above(capacity * per_token)
-        dropped += sum(t > 0 and t >= after for t in tools)
+        tools, after = _tool_signals(gate, capacity * per_token)
+        dropped += (
+            len(tools.held_past(after))
+            if hasattr(tools, "held_past")
+            else sum(t > 0 and t >= after for t in tools["held_tool_seconds"])
+        )
         sig = _signals_with(
             gate, now=now[0], window=n // 2, usage=0.3, hit_rate=0.5, active=n // 2, paused=0,
             pending=n - n // 2, finished=0, unfinished=n, capacity_tokens=capacity,
-            growth_per_step=500.0, shared_tokens=1_000, held_tool_seconds=tools,
-            tool_durations=durations, recompute_token_seconds=per_token,
+            growth_per_step=500.0, shared_tokens=1_000, recompute_token_seconds=per_token,
+            **({"tools": tools} if hasattr(tools, "held_past") else tools),
         )  # fmt: skip
         t = cpu()
         WorkingSet2().update(sig)
@@ -216,6 +220,20 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
         "wset2_policy_update_us": policy_s / periods * 1e6,
         "wset2_holders_dropped_per_period": dropped / periods,
     }
+
+
+def _tool_signals(gate: Gate, break_even: float) -> tuple[Any, float]:
+    """The gate's tool signals and the time from which wset2 drops a holder's KV: its view
+    where the code has one (`Gate.tools`), the tuples of the code before it (a --baseline
+    run: `Signals.held_tool_seconds` and `tool_durations`)."""
+    from runner.policies import _RemainingTime
+
+    if hasattr(gate, "tools"):
+        view = gate.tools()
+        return view, _RemainingTime(view.durations()).first_above(break_even)
+    held, durations = gate.tool_seconds(), gate.tool_durations()  # type: ignore[attr-defined]
+    tuples = {"held_tool_seconds": held, "tool_durations": durations}
+    return tuples, _RemainingTime(durations).first_above(break_even)
 
 
 async def gate_costs(n: int) -> dict[str, float]:

@@ -289,20 +289,23 @@ def cli_args(run: Run, seed: int) -> list[str]:
     return argv
 
 
+def sim_settings(run: Run) -> dict[str, Any]:
+    """What `simulate` is given for a run besides its workload, deployment and policy (the CLI
+    must reach every one: tests/test_bench_cli.py)."""
+    return {
+        "engine_options": engine_options(run),
+        "control_period": CONTROL_PERIOD,
+        "pause_rule": run.rules[0],
+        "resume_rule": run.rules[1],
+    }
+
+
 def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
     workload = synthetic(run.workload, seed=seed)
     policy = make_policy(policy_spec(run))
     r = simulate(
-        workload,
-        run.deployment,
-        policy,
-        RUNS / run.name,
-        engine_options=engine_options(run),
-        label=run.system,
-        control_period=CONTROL_PERIOD,
-        pause_rule=run.rules[0],
-        resume_rule=run.rules[1],
+        workload, run.deployment, policy, RUNS / run.name, label=run.system, **sim_settings(run)
     )
     rec = r.to_json()
     work = sorted(r.work.items())

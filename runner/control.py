@@ -18,7 +18,7 @@ from typing import Any
 
 from .engine import CacheStats
 from .gate import ControlledGate
-from .policies import ContextList, Policy, Signals
+from .policies import ContextList, Policy, Signals, ToolList
 from .ranked_gate import RankedGate
 
 log = logging.getLogger("concur")
@@ -96,8 +96,7 @@ class Controller:
         c = self.gate.counts()
         before = self.gate.window
         contexts = self.gate.contexts() if self.policy.wants_contexts else ContextList()
-        in_tool = self.gate.tool_seconds() if self.policy.wants_tools else ()
-        tools_done = self.gate.tool_durations() if self.policy.wants_tools else ()
+        tools = self.gate.tools() if self.policy.wants_tools else ToolList()
         sig = Signals(
             now=now,
             window=before,
@@ -112,8 +111,7 @@ class Controller:
             host_capacity_tokens=cache.host_capacity_tokens,
             host_reload_cost=cache.host_reload_cost,
             contexts=contexts,
-            held_tool_seconds=in_tool,
-            tool_durations=tools_done,
+            tools=tools,
             recompute_token_seconds=cache.recompute_token_seconds,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),

@@ -22,9 +22,10 @@ States of an agent:
   and RESUME_RULES; pending agents are admitted in task order).
 - Waiting is one future per agent; a slot granted to a waiter that got cancelled is passed on.
 - The hot path (acquire while admitted) is O(1); done_request, finish and admitting a waiter
-  are O(log n): heaps for the waiters, counts kept incrementally, and every agent kept in the
-  order the policies read (runner/gate_order.py: the contexts' running totals, updated as
-  they change). So a control period sorts nothing: `contexts()` is a view, resizing touches
+  are O(log n): counts kept incrementally, and every holder and waiter kept in the order the
+  policies read (runner/gate_order.py: the contexts' running totals, updated as they change),
+  which is also the order waiters get slots in (the first of the paused, then of the
+  pending). So a control period sorts nothing: `contexts()` is a view, resizing touches
   only the agents it pauses or unmarks (the pause rules by context select from the active
   agents: O(n), those two rules only). `bench/gate_bench.py` measures it with 10,000 agents.
 
@@ -38,12 +39,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .gate_order import UNPLACED, Block, ContextsView, KeepOrder
+from .gate_order import UNPLACED, Block, ContextsView, KeepOrder, ToolCalls, ToolsView
 
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
@@ -102,9 +103,7 @@ class ControlledGate(Protocol):
 
     def contexts(self) -> ContextsView: ...
 
-    def tool_seconds(self) -> tuple[float, ...]: ...
-
-    def tool_durations(self) -> tuple[float, ...]: ...
+    def tools(self) -> ToolsView: ...
 
     def growth_per_step(self) -> float | None: ...
 
@@ -167,18 +166,17 @@ class Gate:
         self._agents: dict[str, _Agent] = {}
         self._n: Counter[str] = Counter()  # agents per state
         self._keep = KeepOrder()  # holders and waiters in the order the policies read
-        self._paused_q: list[tuple[float, int, str]] = []  # waiting at a boundary
-        self._pending_q: list[tuple[int, str]] = []  # waiting for a first (or next) slot
         self._order = itertools.count()
         self._admit_seq = itertools.count()
         self._window = max(1, window)
         self.counters = GateCounters()
         self._growth_steps = 0  # context growth between consecutive acquires, summed
         self._growth_tokens = 0
-        # the latest tool calls' durations (request finished -> next acquire), timed only
-        # for policies that read them (two clock reads a step otherwise wasted)
+        # the holders in tool calls and the latest calls' durations (request finished ->
+        # next acquire), timed only for policies that read them (two clock reads a step
+        # otherwise wasted)
         self._track_tools = track_tools
-        self._tool_durations: deque[float] = deque(maxlen=TOOL_DURATIONS_KEPT)
+        self._calls = ToolCalls(TOOL_DURATIONS_KEPT)
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -199,7 +197,8 @@ class Gate:
         old = a.context
         a.context = context_tokens
         if a.tool_since is not None:  # back from a tool call: how long it took
-            self._tool_durations.append(self._clock() - a.tool_since)
+            self._calls.done(self._clock() - a.tool_since)
+            self._calls.end(a)
             a.tool_since = None
         if a.state == "active":  # the hot path: an admitted agent between steps
             a.block.total += context_tokens - old  # its block's running total, in O(1)
@@ -230,14 +229,15 @@ class Gate:
             a.wait_since = now
             a.order = next(self._order)
         a.waiter = asyncio.get_running_loop().create_future()
-        if a.state == "paused":
-            heapq.heappush(self._paused_q, (*self._resume_key(a), key))
-        else:
-            heapq.heappush(self._pending_q, (a.order, key))
         try:
-            self._fill()  # may grant this very agent
-            if a.block is UNPLACED:  # still waiting: it takes its place among the waiters
+            keep, n = self._keep, self._n
+            if not (n["marked"] or keep.paused.size or keep.pending.size) and (
+                n["active"] < self._window
+            ):  # room, and nobody to unmark or ahead of it: what _fill would do, at once
+                self._grant(a, now)
+            else:
                 self._place_waiter(a)
+                self._fill()  # may grant this very agent
             await a.waiter
         except asyncio.CancelledError:
             if a.state in HOLDING:  # granted just as we were cancelled: pass the slot on
@@ -252,11 +252,15 @@ class Gate:
     def done_request(self, key: str) -> None:
         """The agent's request has finished. With a request unit this frees the slot."""
         a = self._agents.get(key)
-        if a is not None and self._track_tools:
+        if a is None:
+            return
+        if self._track_tools:
             a.tool_since = self._clock()
-        if self.unit == "request" and a is not None and a.state in HOLDING:
+        if self.unit == "request" and a.state in HOLDING:
             self._move(a, "idle")
             self._fill()
+        elif self._track_tools and a.state in HOLDING:
+            self._calls.begin(a)
 
     def finish(self, key: str) -> None:
         """The agent ended (any status): free its slot for good."""
@@ -320,22 +324,13 @@ class Gate:
         the gate keeps (gate_order.py): O(1) to get, no sort."""
         return ContextsView(self._keep)
 
-    def tool_seconds(self) -> tuple[float, ...]:
-        """Seconds each slot holder has spent since its last request finished (in a tool
-        call, or preparing its next turn), 0 while its request is in the engine; in the
-        order of `contexts()`'s held agents. The keep order's holder segments are walked in
-        order: O(holders), no sort; read only for policies that want it (`wants_tools`)."""
-        now, keep = self._clock(), self._keep
-        return tuple(
-            0.0 if (t := a.tool_since) is None else now - t
-            for seg in (keep.active, keep.marked)
-            for b in seg.blocks
-            for a in b.items
-        )
-
-    def tool_durations(self) -> tuple[float, ...]:
-        """Durations of the latest tool calls (at most TOOL_DURATIONS_KEPT), oldest first."""
-        return tuple(self._tool_durations)
+    def tools(self) -> ToolsView:
+        """The slot holders' tool calls (seconds since each one's request finished: in a tool
+        call, or preparing its next turn) and the latest finished calls' durations (at most
+        TOOL_DURATIONS_KEPT), as of now: a view of what the gate keeps in order (the holders
+        by when their call began, the durations sorted), answered without a walk of the
+        holders; kept only for policies that want it (`wants_tools`)."""
+        return ToolsView(self._keep, self._calls, self._clock())
 
     def holders(self) -> int:
         return self._n["active"] + self._n["marked"]
@@ -384,6 +379,11 @@ class Gate:
         n[a.state] -= 1
         n[state] += 1
         self._keep.remove(a)
+        if a.tool_since is not None:  # a holder in a call is among the open calls
+            if state not in HOLDING:
+                self._calls.end(a)
+            elif a.state not in HOLDING:  # a call reported while it waited (tests do)
+                self._calls.begin(a)
         a.state = state
         if state == "active":
             self._keep.active.add(a, a.admitted_seq)
@@ -392,7 +392,7 @@ class Gate:
 
     def _place_waiter(self, a: _Agent) -> None:
         """A waiter (an agent inside acquire that holds no slot) takes its place in the order
-        it would get one. Registered agents that never asked, idle and finished ones have
+        it will get one. Registered agents that never asked, idle and finished ones have
         none."""
         if a.state == "paused":
             self._keep.paused.add(a, self._resume_key(a))
@@ -417,16 +417,6 @@ class Gate:
             return (-(a.paused_since or 0.0), a.order)
         return (a.paused_since or 0.0, a.order)
 
-    def _pop_waiter(self, queue: list, state: str) -> _Agent | None:
-        """The first agent of a queue that still waits in `state` (stale entries dropped)."""
-        while queue:
-            a = self._agents[queue[0][-1]]
-            if a.state == state and a.waiter is not None and not a.waiter.done():
-                heapq.heappop(queue)
-                return a
-            heapq.heappop(queue)
-        return None
-
     def _fill(self) -> None:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
@@ -446,11 +436,11 @@ class Gate:
 
     def _next_waiter(self) -> _Agent | None:
         """The next agent to get a slot: a paused one first, then a pending one."""
-        if self._paused_q:
-            a = self._pop_waiter(self._paused_q, "paused")
-            if a is not None:
-                return a
-        return self._pop_waiter(self._pending_q, "pending") if self._pending_q else None
+        for seg in (self._keep.paused, self._keep.pending):
+            for a in seg:  # a cancelled one leaves when its task runs on
+                if a.waiter is not None and not a.waiter.done():
+                    return a
+        return None
 
     def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import operator
-from collections.abc import Iterator
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 LOAD = 128  # block size: blocks split above 2 x LOAD and merge below LOAD / 2
@@ -215,37 +218,63 @@ class ContextsView:
     def fit(self, budget: float, extra: float = 0.0, shared: int = 0) -> int:
         """How many of the first agents fit `budget`, each counted as
         max(0, context - shared) + extra: runner.policies.ContextList.fit on the same
-        contexts, with the same float operations at every prefix. The block sums are
-        accumulated in C and the block where the budget runs out found by bisection; then
-        that block is walked."""
+        contexts, with the same float operations at every prefix."""
+        return self.fitter(extra, shared)(budget)
+
+    def fitter(self, extra: float = 0.0, shared: int = 0) -> Callable[[float], int]:
+        """`fit` for one `extra` and `shared` and any budget: the block sums are accumulated
+        (in C) once, and each budget finds the block where it runs out by bisection, then
+        walks that block (each block walked once, however many budgets end in it)."""
         if extra < 0:
             raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
-        blocks = self._blocks()
+        return _Fit(self._blocks(), extra, shared)
+
+    def _blocks(self) -> list[Block]:
+        active, marked, paused, pending = self._order.segments
+        return [*active.blocks, *marked.blocks, *paused.blocks, *pending.blocks]
+
+
+class _Fit:
+    """ContextsView.fit at a fixed `extra` and `shared` (see there)."""
+
+    def __init__(self, blocks: list[Block], extra: float, shared: int) -> None:
+        self._blocks, self._shared = blocks, shared
+        self._per = extra - shared  # each term is max(context, shared) + per
+        if not blocks:
+            return
+        if min(map(_low, blocks)) >= shared:
+            self._sums = list(itertools.accumulate(map(_total, blocks)))
+        else:  # some bound is below the shared prefix: such blocks sum max(context, shared)
+            self._sums = list(itertools.accumulate(_floored(b, shared) for b in blocks))
+        self._ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
+        self._inner: dict[int, list[int]] = {}  # a block's running sums, once walked
+
+    def __call__(self, budget: float) -> int:
+        blocks, per = self._blocks, self._per
         if not blocks or budget < 0:
             return 0
-        if min(map(_low, blocks)) >= shared:
-            sums = list(itertools.accumulate(map(_total, blocks)))
-        else:  # some bound is below the shared prefix: such blocks sum max(context, shared)
-            sums = list(itertools.accumulate(_floored(b, shared) for b in blocks))
-        ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
-        per = extra - shared  # each term is max(context, shared) + per
+        sums, ks = self._sums, self._ks
         # the whole blocks within the budget (the running sums grow monotonically)
         j = bisect.bisect_right(range(len(blocks)), budget, key=lambda j: sums[j] + ks[j] * per)
         if j == len(blocks):
             return ks[-1]
         # in that block, the prefixes within the budget, the same way
-        b, k = blocks[j], ks[j - 1] if j else 0
-        values = map(_context, b.items) if b.low >= shared else _floor(b.items, shared)
-        inner = list(itertools.accumulate(values, initial=sums[j - 1] if j else 0))
+        k = ks[j - 1] if j else 0
+        inner = self._inner.get(j)
+        if inner is None:
+            b, shared = blocks[j], self._shared
+            values = map(_context, b.items) if b.low >= shared else _floor(b.items, shared)
+            inner = list(itertools.accumulate(values, initial=sums[j - 1] if j else 0))
+            self._inner[j] = inner
         return k + bisect.bisect_right(
             range(1, len(inner)), budget, key=lambda i: inner[i] + (k + i) * per
         )
 
-    def _blocks(self) -> list[Block]:
-        return [b for seg in self._order.segments for b in seg.blocks]
 
-
+_block = operator.attrgetter("block")
+_block_keys = operator.attrgetter("block.keys")
 _context = operator.attrgetter("context")
+_sort_key = operator.attrgetter("sort_key")
 _keys = operator.attrgetter("keys")
 _low = operator.attrgetter("low")
 _total = operator.attrgetter("total")
@@ -260,3 +289,77 @@ def _floored(b: Block, shared: int) -> int:
     if b.low >= shared or b.refresh_low() >= shared:
         return b.total
     return sum(max(a.context, shared) for a in b.items)
+
+
+class ToolCalls:
+    """The slot holders in a tool call, oldest call first, and the latest finished calls'
+    durations, kept sorted: what `ToolsView` answers from without a walk of the holders or a
+    sort. A call begins at the agent's `done_request` and ends at its next `acquire`; the
+    gate's clock only moves forward, so calls join at the end (an out-of-order one, which
+    only a protocol break can make, re-sorts them: see `begin`)."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        # holders in a call (an insertion-ordered dict: O(1) to join, to leave, and to walk
+        # from the oldest; its deleted slots are compacted as it grows)
+        self.open: dict[Any, None] = {}
+        self._latest = -math.inf  # the latest call start seen (when calls began in order)
+        self.finished: deque[float] = deque()  # the latest `kept` durations, oldest first
+        self.ascending = array("d")  # the same, sorted
+
+    def begin(self, a: Any) -> None:
+        """Holder `a` is in a call since `a.tool_since` (re-begun: it moves to its new place)."""
+        self.open.pop(a, None)
+        self.open[a] = None
+        if a.tool_since >= self._latest:
+            self._latest = a.tool_since
+        else:  # a call older than the latest: keep the oldest first (stable on ties)
+            self.open = dict.fromkeys(sorted(self.open, key=_since))
+
+    def end(self, a: Any) -> None:
+        """`a` is in no call, or holds no slot any more."""
+        self.open.pop(a, None)
+
+    def done(self, seconds: float) -> None:
+        """A call finished after `seconds`."""
+        if len(self.finished) == self.kept:
+            old = self.finished.popleft()
+            del self.ascending[bisect.bisect_left(self.ascending, old)]
+        self.finished.append(seconds)
+        bisect.insort(self.ascending, seconds)
+
+
+class ToolsView:
+    """The holders' tool calls as a policy reads them (runner.policies.Tools), at the instant
+    it was made: `held_past` walks only the holders it returns (the calls begun longest ago)
+    and finds their places in the keep order through their blocks; `durations` copies a
+    sorted array."""
+
+    def __init__(self, order: KeepOrder, calls: ToolCalls, now: float) -> None:
+        self._order, self._calls, self._now = order, calls, now
+
+    def durations(self) -> Sequence[float]:
+        return self._calls.ascending[:]
+
+    def held_past(self, seconds: float) -> list[tuple[int, int]]:
+        now, past = self._now, []
+        for a in self._calls.open:  # oldest call first, so the longest in a tool first
+            t = now - a.tool_since  # falls (or stays) along the walk: stop at the first short
+            if not (t > 0 and t >= seconds):
+                break
+            past.append(a)
+        if not past:
+            return []
+        starts, at = {}, 0  # where each holder block begins among the holders
+        for seg in (self._order.active, self._order.marked):
+            for b in seg.blocks:
+                starts[b] = at
+                at += len(b.keys)
+        # each one's place: its block's start plus its place in the block (mapped in C)
+        places = map(bisect.bisect_left, map(_block_keys, past), map(_sort_key, past))
+        where = map(operator.add, map(starts.__getitem__, map(_block, past)), places)
+        return sorted(zip(where, map(_context, past), strict=True))
+
+
+def _since(a: Any) -> float:
+    return float(a.tool_since)

@@ -14,7 +14,7 @@ import itertools
 import math
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -46,6 +46,10 @@ class Contexts(Protocol):
         max(0, context - shared) + extra tokens (`extra` >= 0); 0 if `budget` < 0."""
         ...
 
+    def fitter(self, extra: float = 0.0, shared: int = 0) -> Callable[[float], int]:
+        """`fit` with this `extra` and `shared`, for many budgets (prepared once)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ContextList:
@@ -69,6 +73,9 @@ class ContextList:
         return sum(itertools.islice(self, max(0, k)))
 
     def fit(self, budget: float, extra: float = 0.0, shared: int = 0) -> int:
+        return self.fitter(extra, shared)(budget)
+
+    def fitter(self, extra: float = 0.0, shared: int = 0) -> Callable[[float], int]:
         """Each term is max(context, shared) - shared + extra: the running sums of
         max(context, shared) (itertools.accumulate) and the count found by bisection (every
         term is >= 0, so the sums are monotone). Where no context is below `shared` this is
@@ -76,12 +83,57 @@ class ContextList:
         (sum of contexts + k x (extra - shared)); the gate's view computes it the same way."""
         if extra < 0:
             raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
-        if not len(self) or budget < 0:
-            return 0
         sums = list(itertools.accumulate(max(c, shared) for c in self))
         per = extra - shared
-        # the number of prefixes (of 1, 2, ... agents) whose total is within the budget
-        return bisect.bisect_right(range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per)
+
+        def fit(budget: float) -> int:
+            if not sums or budget < 0:
+                return 0
+            # the number of prefixes (of 1, 2, ... agents) whose total is within the budget
+            return bisect.bisect_right(
+                range(len(sums)), budget, key=lambda i: sums[i] + (i + 1) * per
+            )
+
+        return fit
+
+
+class Tools(Protocol):
+    """The slot holders' tool calls, and the latest finished calls. The gate hands a view of
+    what it keeps for this (runner/gate_order.py: the holders in a call by when it began,
+    the finished durations sorted), so reading it costs what it returns, not a walk of the
+    holders. `ToolList` is the plain version over two tuples."""
+
+    def durations(self) -> Sequence[float]:
+        """The latest finished calls' seconds (at most 1,000), ascending."""
+        ...
+
+    def held_past(self, seconds: float) -> list[tuple[int, int]]:
+        """(position among the holders in `Contexts`' held order, context) of each holder
+        that has spent more than 0 and at least `seconds` seconds since its last request
+        finished (in a tool call, or preparing its next turn), by position."""
+        ...
+
+
+@dataclass(frozen=True)
+class ToolList:
+    """`Tools` from tuples (tests, and the reference the gate's view is tested against):
+    each holder's seconds since its request finished (0: its request is in the engine) and
+    its context, in held order, and the finished calls' durations, in any order."""
+
+    held_seconds: tuple[float, ...] = ()
+    finished: tuple[float, ...] = ()
+    held_contexts: tuple[int, ...] = ()
+
+    def durations(self) -> Sequence[float]:
+        return tuple(sorted(self.finished))
+
+    def held_past(self, seconds: float) -> list[tuple[int, int]]:
+        return [
+            (i, c)
+            # a holder without seconds is in no call
+            for i, (t, c) in enumerate(zip(self.held_seconds, self.held_contexts, strict=False))
+            if t > 0 and t >= seconds
+        ]
 
 
 @dataclass(frozen=True)
@@ -101,9 +153,9 @@ class Signals:
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
     # every agent's context: slot holders in keep order, then waiting ones in admission order
     contexts: Contexts = ContextList()
-    # seconds each slot holder has been out of the engine (in a tool), in `contexts`' held order
-    held_tool_seconds: tuple[float, ...] = ()
-    tool_durations: tuple[float, ...] = ()  # the latest finished tool calls' seconds
+    # the slot holders' tool calls (how long each has been out of the engine) and the
+    # latest finished calls' durations
+    tools: Tools = ToolList()
     # seconds the engine takes to recompute one token of an evicted context
     recompute_token_seconds: float | None = None
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
@@ -127,7 +179,7 @@ class Policy(Protocol):
     # whether Signals must carry the agents' contexts (the gate's view: cheap, but only the
     # policies that read it get it)
     wants_contexts: ClassVar[bool]
-    # whether Signals must carry the holders' tool seconds and the latest tool durations
+    # whether Signals must carry the holders' tool calls and the latest tool durations
     wants_tools: ClassVar[bool]
 
     def initial_window(self, n_agents: int) -> int: ...
@@ -338,6 +390,7 @@ class WorkingSet2:
         _check_fit_params("wset2", self.headroom_steps, self.max_recompute, self.beta)
         if self.drop_factor <= 0:
             raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
+        _numpy()  # now, rather than in the first control period that drops (a 60 ms stall)
 
     def initial_window(self, n_agents: int) -> int:
         return max(1, n_agents)  # nothing is resident yet: the first update fits it
@@ -352,11 +405,7 @@ class WorkingSet2:
         contexts = s.contexts
         after = self._drop_after(s, capacity)
         if after is not None:  # holders in calls past it count nothing
-            # t > 0 and t >= after, compared in C (after >= 0: past 0, t > 0 alone)
-            past = after.__le__ if after > 0 else (0.0).__lt__
-            tools = itertools.islice(s.held_tool_seconds, contexts.held)
-            dropped = list(itertools.compress(itertools.count(), map(past, tools)))
-            fit = _fit_dropping(contexts, budget, growth, shared, dropped)
+            fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
         else:
             fit = contexts.fit(budget, growth, shared)
         return _cut_or_fit(s, fit, self.max_recompute, self.beta)
@@ -366,10 +415,13 @@ class WorkingSet2:
         first time the call's expected remainder passes the break-even. With a host tier
         counted in `capacity`, a context the tiers cannot hold is recomputed, not reloaded,
         so the cost is a recompute's either way."""
-        if not s.recompute_token_seconds or not s.tool_durations:
+        if not s.recompute_token_seconds:
+            return None
+        durations = s.tools.durations()
+        if not len(durations):
             return None
         break_even = self.drop_factor * capacity * s.recompute_token_seconds
-        return _RemainingTime(s.tool_durations).first_above(break_even)
+        return _RemainingTime(durations).first_above(break_even)
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -383,31 +435,55 @@ class _RemainingTime:
     tail). `first_above(x)` is the least time in a call at which it exceeds x: a call whose
     expected remainder once passed the break-even has had its KV dropped, so it stays
     dropped even as its expected remainder falls (between finished durations the mean
-    excess only falls, so that time is 0 or one of them)."""
+    excess only falls, so that time is 0 or one of them). Over the durations, ascending;
+    `first_above` evaluates every candidate at once in numpy (the float operations of the
+    scalar expression, element by element: the same values)."""
 
-    def __init__(self, durations: tuple[float, ...]) -> None:
-        self._d = sorted(durations)
-        self._suffix = [*reversed(list(itertools.accumulate(reversed(self._d)))), 0.0]
+    def __init__(self, ascending: Sequence[float]) -> None:
+        self._np = np = _numpy()
+        self._d = np.asarray(ascending, dtype=np.float64)
+        # suffix[i]: the durations from i on, summed from the largest down (one running sum)
+        self._suffix = np.append(np.cumsum(self._d[::-1])[::-1], 0.0)
 
     def expected(self, spent: float) -> float:
-        i = bisect.bisect_right(self._d, spent)
+        i = int(self._np.searchsorted(self._d, spent, side="right"))
         n = len(self._d) - i
-        return spent if n == 0 else (self._suffix[i] - n * spent) / n
+        return spent if n == 0 else float(_mean_excess(self._suffix[i], n, spent))
 
     def first_above(self, x: float) -> float:
-        d, suffix, m = self._d, self._suffix, len(self._d)
-        if m and suffix[0] / m > x:
+        np, d, suffix, m = self._np, self._d, self._suffix, len(self._d)
+        if m and _mean_excess(suffix[0], m, 0.0) > x:  # every call, as one just begun
             return 0.0
-        for j, t in enumerate(d):  # just past d[j]: the calls longer than t
-            if j + 1 < m and d[j + 1] == t:
-                continue  # ties: the last of equal durations
-            n = m - j - 1
-            if n and (suffix[j + 1] - n * t) / n > x:
-                return t
+        # just past d[j] (the last of equal durations): the calls longer than it
+        longer = np.arange(m - 1, 0, -1)
+        above = (_mean_excess(suffix[1:m], longer, d[:-1]) > x) & (d[1:] != d[:-1])
+        first = np.flatnonzero(above)
+        if first.size:
+            return float(d[first[0]])
         # beyond every finished call the expected remainder is the time spent
-        if d and d[-1] > x:
-            return d[-1]
+        if m and d[-1] > x:
+            return float(d[-1])
         return math.nextafter(x, math.inf)
+
+
+def _numpy() -> types.ModuleType:
+    """numpy, imported on first use: only wset2 needs it (`_RemainingTime`), and importing it
+    with this module would add ~60 ms to every start of run.py."""
+    import numpy
+
+    return numpy
+
+
+def _mean_excess(longer_total: Any, longer: Any, spent: Any) -> Any:
+    """The mean remaining time of `longer` calls taking `longer_total` seconds in all, at
+    `spent` seconds (scalars, or numpy arrays element by element)."""
+    return (longer_total - longer * spent) / longer
+
+
+def _held_past(s: Signals, after: float) -> list[tuple[int, int]]:
+    """(position, context) of the holders past `after` seconds in a tool call."""
+    past = s.tools.held_past(after)
+    return past[: bisect.bisect_left(past, (s.contexts.held,))]
 
 
 def _aimd_fallback(fallback: AIMD, s: Signals) -> Decision:
@@ -447,32 +523,35 @@ def _capacity(s: Signals, use_host: bool) -> float:
 
 
 def _fit_dropping(
-    contexts: Contexts, budget: float, extra: float, shared: int, dropped: list[int]
+    contexts: Contexts, budget: float, extra: float, shared: int, held: list[tuple[int, int]]
 ) -> int:
-    """`contexts.fit(budget, extra, shared)` where the holders at the `dropped` positions
-    (ascending) count 0. With D[j] the terms of the first j dropped holders, a prefix that
-    has passed exactly j of them fits iff its plain total is within budget + D[j]; whether
-    the fit passes the j-th dropped holder only turns from yes to no as j grows, so the
-    number it passes is found by bisection (each probe one `fit`: running totals, no sort),
-    and the count is `fit(budget + D[j])` past the last one passed. Only the dropped
-    holders' contexts are read (walking the holders up to the last of them)."""
+    """`contexts.fit(budget, extra, shared)` where the holders at the `held` (position,
+    context) pairs (by position) count 0 (their KV dropped). With D[j] the terms of the
+    first j dropped holders, a prefix that has passed exactly j of them fits iff its plain
+    total is within budget + D[j]; whether the fit passes the j-th dropped holder only turns
+    from yes to no as j grows, so the number it passes is found by bisection (each probe one
+    `fit`: running totals, no sort), and the count is `fit(budget + D[j])` past the last one
+    passed. The fit is prepared once for all the probes (`contexts.fitter`)."""
     if budget < 0:
         return 0
-    if not dropped:
-        return contexts.fit(budget, extra, shared)
-    mask = bytearray(dropped[-1] + 1)
-    for i in dropped:
-        mask[i] = 1
-    terms = (max(c, shared) - shared + extra for c in itertools.compress(contexts, mask))
+    fit = contexts.fitter(extra, shared)
+    if not held:
+        return fit(budget)
+    dropped = [p for p, _ in held]
+    terms = (max(c, shared) - shared + extra for _, c in held)
     lift = list(itertools.accumulate(terms, initial=0.0))  # lift[j]: the first j dropped
+    counts: dict[int, int] = {}  # fit(budget + lift[j]) by j: the last probe is often the answer
 
-    def passes(j: int) -> bool:  # the prefix just short of the j-th dropped holder fits
-        return contexts.fit(budget + lift[j], extra, shared) >= dropped[j]
+    def fit_past(j: int) -> int:
+        if j not in counts:
+            counts[j] = fit(budget + lift[j])
+        return counts[j]
 
-    j = bisect.bisect_left(range(len(dropped)), True, key=lambda j: not passes(j))
+    # whether the prefix just short of the j-th dropped holder fits
+    j = bisect.bisect_left(range(len(dropped)), True, key=lambda j: fit_past(j) < dropped[j])
     low = dropped[j - 1] + 1 if j else 0
     high = dropped[j] if j < len(dropped) else len(contexts)
-    return min(max(contexts.fit(budget + lift[j], extra, shared), low), high)
+    return min(max(fit_past(j), low), high)
 
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy

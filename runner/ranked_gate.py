@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 
 from .gate import Gate, GateCounters
-from .gate_order import ContextsView
+from .gate_order import ContextsView, ToolsView
 
 
 class RankedGate:
@@ -150,11 +150,8 @@ class RankView:
     def contexts(self) -> ContextsView:
         return self._gate.contexts()
 
-    def tool_seconds(self) -> tuple[float, ...]:
-        return self._gate.tool_seconds()
-
-    def tool_durations(self) -> tuple[float, ...]:
-        return self._gate.tool_durations()
+    def tools(self) -> ToolsView:
+        return self._gate.tools()
 
     def growth_per_step(self) -> float | None:
         return self._gate.growth_per_step()

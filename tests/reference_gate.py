@@ -5,6 +5,12 @@ incremental structure to: the same events in, the same decisions and contexts ou
 tool signals of the `policy` branch added as that branch wrote them on this sort-based gate
 (`tool_since`, `tool_seconds()` sorting the holders, `tool_durations()`), so the test holds
 the keep order's holder walk to that sort too.
+
+One deliberate change since (issue 16, when the gate dropped its heaps and gave slots in the
+keep order): a waiter is granted only from the heap entry of its latest wait (`queued`).
+Before, a paused agent whose wait was cancelled kept its old entry, and coming back with
+another context (under the `longest` / `shortest` resume rules) it could be resumed at its
+old place while `contexts()` showed it at its new one.
 """
 # ruff: noqa
 
@@ -38,6 +44,7 @@ class _Agent:
     paused_seconds: float = 0.0
     pending_seconds: float = 0.0
     ever_admitted: bool = False
+    queued: tuple | None = None  # the heap entry of its latest wait
 
 
 @dataclass
@@ -122,9 +129,11 @@ class Gate:
             a.order = next(self._order)
         a.waiter = asyncio.get_running_loop().create_future()
         if a.state == "paused":
-            heapq.heappush(self._paused_q, (*self._resume_key(a), key))
+            a.queued = (*self._resume_key(a), key)
+            heapq.heappush(self._paused_q, a.queued)
         else:
-            heapq.heappush(self._pending_q, (a.order, key))
+            a.queued = (a.order, key)
+            heapq.heappush(self._pending_q, a.queued)
         try:
             self._fill()  # may grant this very agent
             await a.waiter
@@ -292,7 +301,8 @@ class Gate:
         """The first agent of a queue that still waits in `state` (stale entries dropped)."""
         while queue:
             a = self._agents[queue[0][-1]]
-            if a.state == state and a.waiter is not None and not a.waiter.done():
+            live = a.waiter is not None and not a.waiter.done()
+            if a.state == state and live and queue[0] == a.queued:
                 heapq.heappop(queue)
                 return a
             heapq.heappop(queue)

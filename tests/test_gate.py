@@ -172,6 +172,31 @@ def test_cancelled_waiter_passes_slot_on():
     run_virtual(main())
 
 
+def test_waiters_get_slots_in_the_order_the_policy_reads():
+    # B is paused, its wait is cancelled, and it comes back with a shorter context: under
+    # "longest" it now waits behind C, as contexts() shows the policy, and C is resumed first
+    async def main():
+        gate = Gate(3, resume_rule="longest")
+        for k, ctx in (("A", 100), ("B", 200), ("C", 300)):
+            await gate.acquire(k, ctx)
+        gate.resize(1)  # marks C and B (newest first)
+        b = asyncio.ensure_future(gate.acquire("B", 500))
+        c = asyncio.ensure_future(gate.acquire("C", 300))
+        await asyncio.sleep(0)  # both paused: B (500) before C (300)
+        b.cancel()
+        await asyncio.gather(b, return_exceptions=True)
+        b = asyncio.ensure_future(gate.acquire("B", 100))
+        await asyncio.sleep(0)
+        assert tuple(gate.contexts()) == (100, 300, 100)  # A holds; C, then B, wait
+        gate.drain_events()
+        gate.resize(2)
+        assert gate.drain_events() == [("resumed", "C")]
+        gate.resize(3)
+        await asyncio.gather(b, c)
+
+    run_virtual(main())
+
+
 def test_pause_rules_select_deterministically():
     async def main():
         for rule, expected in (

@@ -4,9 +4,9 @@ Thousands of random event sequences (agents asking with growing, shrinking or eq
 requests ending, agents finishing or being cancelled while they wait, the window resized,
 time moving or standing still) run through both gates; every decision (who is marked, paused,
 unmarked, resumed, admitted, in which order), every state and count, the contexts a policy
-reads (contexts, holders' tool seconds, tool durations), and `fit` / `total` on them must be
-the same after every event. Blocks are made tiny (1 and 4 agents) so that splits and merges
-happen all the time.
+reads (contexts, holders past a time in a tool call, tool durations), and `fit` / `total` on
+them (one `fitter` for many budgets too) must be the same after every event. Blocks are made
+tiny (1 and 4 agents) so that splits and merges happen all the time.
 """
 
 import asyncio
@@ -16,7 +16,7 @@ import pytest
 
 from runner import gate_order
 from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies import ContextList
+from runner.policies import ContextList, ToolList
 from tests import reference_gate
 
 
@@ -123,6 +123,10 @@ def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
             k = rng.randint(0, len(flat) + 1)
             got = (view.fit(budget, extra, shared), view.total(k))
             assert got == (ref.fit(budget, extra, shared), ref.total(k)), (budget, extra, shared)
+            # one prepared fit for many budgets, as _fit_dropping probes it
+            fit = view.fitter(extra, shared)
+            for b in [*sorted(rng.uniform(-10, 40_000) for _ in range(4)), budget]:
+                assert fit(b) == ref.fit(b, extra, shared), (b, extra, shared)
     else:
         held, waiting = gate.contexts()
     return (
@@ -135,10 +139,17 @@ def observe(gate, new: bool, rng: random.Random, keys: list[str]) -> tuple:
         gate.counters.resumes,
         gate.growth_per_step(),
         gate.wait_totals(),
-        gate.tool_seconds(),
-        gate.tool_durations(),
+        *tool_signals(gate, new, held),
         tuple(gate.state(k) for k in keys),
     )
+
+
+def tool_signals(gate, new: bool, held: tuple[int, ...]) -> tuple:
+    """The finished calls' durations (ascending) and the holders past a few times in a call:
+    from the new gate's view, and from the reference's tuples through the plain ToolList."""
+    tools = gate.tools() if new else ToolList(gate.tool_seconds(), gate.tool_durations(), held)
+    past = tuple(tuple(tools.held_past(x)) for x in (0.0, 0.5, 1.0, 1.5, 2.5, 4.0))
+    return tuple(tools.durations()), past
 
 
 @pytest.mark.parametrize(("load", "sequences"), [(1, 400), (4, 800), (128, 400)])

@@ -7,6 +7,7 @@ this module under the sandbox lock (`flock /tmp/concur-sandbox.lock python -m py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -96,6 +97,31 @@ def test_an_unreachable_cluster_is_a_clear_error(tmp_path, capsys):
     assert rc == 2 and time.monotonic() - t0 < 30
     assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in out.err
     assert "ray start --head" in out.err
+
+
+def test_a_cluster_address_is_probed_once(tmp_path, monkeypatch):
+    # the cluster recorded by `ray start` (probed to choose it) and one given with --ray:
+    # each is connected to once before Ray joins it (the recorded one was probed twice, up
+    # to 2 s more at start)
+    from runner.scaleout.driver import reach
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.settimeout(0.5)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address + "\n")
+        monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        for given in (None, address):
+            assert reach(given).address == address
+            probes = 0
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    server.accept()[0].close()
+                    probes += 1
+            assert probes == 1, given
 
 
 def test_workers_without_ray_is_refused(tmp_path, capsys):

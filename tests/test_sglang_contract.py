@@ -1161,6 +1161,35 @@ def test_a_tasks_sampling_the_engine_refuses_is_named_at_start(monkeypatch, tmp_
     assert "min_new_tokens must be in [0, max_new_tokens(8)], got 16" in err
 
 
+def test_a_ray_worker_checks_the_tasks_sampling_before_any_agent(monkeypatch, tmp_path):
+    # --ray: each worker builds its engine on its node (the spec's make_engine, the call the
+    # worker makes) and checks the tasks' own overrides there, as one process does at start
+    from runner.cli.main import check_options, config_args, dataset_plan, policy_from_args
+    from runner.cli.parser import build_parser
+    from runner.cli.scaleout import spec_maker
+
+    install_fake_sglang(monkeypatch)
+    records = [
+        {"id": "a", "prompt": "p"},
+        {"id": "b", "prompt": "p", "sampling": {"max_new_tokens": 8}},
+        {"id": "c", "prompt": "p", "sampling": {"max_new_tokens": 8}},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["--tasks", str(path), "--out", str(tmp_path / "out"), "--engine", "sglang"]
+    args = config_args(build_parser(), [*argv, "--model", "m", "--ray", "--sandbox", "none"])
+    check_options(args)
+    plan = dataset_plan(args)
+    spec = spec_maker(args, plan.tasks, plan.config, policy_from_args(args))(0)
+    assert [(t.id, t.sampling) for t in spec.make_engine.args[2]] == [("b", {"max_new_tokens": 8})]
+    asyncio.run(spec.make_engine().engine.aclose())  # overrides it can serve: it starts
+    args.sampling_arg = ["min_new_tokens=16"]
+    plan = dataset_plan(args)
+    spec = spec_maker(args, plan.tasks, plan.config, policy_from_args(args))(0)
+    with pytest.raises(ValueError, match=r"task b \(its sampling .*\): SGLang refuses"):
+        spec.make_engine()
+
+
 def test_good_sampling_options_reach_every_request(monkeypatch, tmp_path):
     tasks = [{"id": "a", "prompt": "p", "max_steps": 1}]
     code, fk, _ = _cli(monkeypatch, tmp_path, tasks, "--sampling-arg", "top_k=20")

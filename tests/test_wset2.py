@@ -14,6 +14,7 @@ from runner.policies import (
     AIMD,
     ContextList,
     Signals,
+    ToolList,
     WorkingSet,
     WorkingSet2,
     _RemainingTime,
@@ -23,7 +24,7 @@ from runner.sim.engine import make_sim_engine
 from runner.sim.vclock import run_virtual
 
 
-def ws_sig(held, waiting, capacity=10_000, **kw):
+def ws_sig(held, waiting, capacity=10_000, held_tool_seconds=(), tool_durations=(), **kw):
     base = dict(
         now=0.0,
         window=max(1, len(held)),
@@ -37,6 +38,7 @@ def ws_sig(held, waiting, capacity=10_000, **kw):
         capacity_tokens=capacity,
         contexts=ContextList(tuple(held), tuple(waiting)),
         growth_per_step=0.0,
+        tools=ToolList(tuple(held_tool_seconds), tuple(tool_durations), tuple(held)),
     )
     base.update(kw)
     return Signals(**base)
@@ -149,7 +151,7 @@ def test_remaining_time_is_the_mean_excess_of_longer_calls():
         durations = tuple(
             rng.choice([0.3, 1.0, 2.5, 40.0, 61.0]) for _ in range(rng.randint(1, 30))
         )
-        r = _RemainingTime(durations)
+        r = _RemainingTime(sorted(durations))
         for spent in (0.1, 1.0, 2.0, 30.0, 50.0, 70.0):
             longer = [d - spent for d in durations if d > spent]
             want = sum(longer) / len(longer) if longer else spent
@@ -173,11 +175,13 @@ def test_the_gate_reports_tool_seconds_of_holders_and_finished_calls():
         await asyncio.sleep(1.0)
         gate.done_request("A")  # A's request ends: it is in a tool
         await asyncio.sleep(2.5)
-        assert gate.tool_seconds() == (2.5, 0.0)  # B's request is still in the engine
-        assert gate.tool_durations() == ()
+        tools = gate.tools()
+        assert tools.held_past(2.5) == [(0, 100)]  # B's request is still in the engine
+        assert tools.held_past(2.6) == []
+        assert list(tools.durations()) == []
         await gate.acquire("A", 150)  # back from a 2.5 s call
-        assert gate.tool_seconds() == (0.0, 0.0)
-        assert gate.tool_durations() == (2.5,)
+        assert gate.tools().held_past(0.0) == []
+        assert list(gate.tools().durations()) == [2.5]
         ctl = Controller(gate, make_policy("wset2"), lambda: CacheStats(0.1, 1000), 1.0)
         gate.done_request("B")
         await asyncio.sleep(1.0)
@@ -241,7 +245,8 @@ def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
             if left < 0:
                 break
             fit += 1
-        assert _fit_dropping(ContextList(held, waiting), budget, growth, shared, dropped) == fit
+        pairs = [(i, held[i]) for i in dropped]
+        assert _fit_dropping(ContextList(held, waiting), budget, growth, shared, pairs) == fit
 
 
 async def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
@@ -273,7 +278,8 @@ async def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
                     if left < 0:
                         break
                     fit += 1
-                assert _fit_dropping(view, budget, growth, shared, dropped) == fit
+                pairs = [(i, flat[i]) for i in dropped]
+                assert _fit_dropping(view, budget, growth, shared, pairs) == fit
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def run_on_ray(
 ) -> int:
     from ..scaleout.driver import RayUnavailable, run
 
-    make_spec = functools.partial(worker_spec, args, config, policy, AGENT_UID_BASE)
+    make_spec = spec_maker(args, tasks, config, policy)
     try:
         outcome = run(
             address=args.ray or None,
@@ -91,8 +91,32 @@ def gpus_per_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def spec_maker(
+    args: argparse.Namespace, tasks: list[Task], config: BatchConfig, policy: Policy
+) -> Callable[[int], WorkerSpec]:
+    """Worker index -> its spec (what the driver sends each worker)."""
+    checked = sampling_tasks(tasks)
+    return functools.partial(worker_spec, args, config, policy, AGENT_UID_BASE, checked)
+
+
+def sampling_tasks(tasks: list[Task]) -> list[Task]:
+    """One task per distinct set of sampling overrides, carrying only its id and them: what
+    each worker's engine checks at start-up (`build_engine`), small enough to send to every
+    worker."""
+    seen: dict[str, Task] = {}
+    for t in tasks:
+        if t.sampling:
+            seen.setdefault(repr(sorted(t.sampling.items())), Task(t.id, [], sampling=t.sampling))
+    return list(seen.values())
+
+
 def worker_spec(
-    args: argparse.Namespace, config: BatchConfig, policy: Policy, run_uid_base: int, index: int
+    args: argparse.Namespace,
+    config: BatchConfig,
+    policy: Policy,
+    run_uid_base: int,
+    checked: list[Task],
+    index: int,
 ) -> WorkerSpec:
     root = config.workspace_root
     own = dataclasses.replace(
@@ -105,17 +129,21 @@ def worker_spec(
         index=index,
         config=own,
         policy=policy,
-        make_engine=functools.partial(build_engine, args, config.sampling),
+        make_engine=functools.partial(build_engine, args, config.sampling, checked),
         make_sandbox=null_sandbox if sim else functools.partial(make_sandbox, args.sandbox),
         run_loop=run_virtual if sim else None,
         virtual_time=sim,
     )
 
 
-def build_engine(args: argparse.Namespace, sampling: SamplingParams) -> EngineBuild:
+def build_engine(
+    args: argparse.Namespace, sampling: SamplingParams, checked: list[Task]
+) -> EngineBuild:
     """On the worker's node: its engine, as the single-process CLI would build it (the tasks
     come later; a replay engine learns their scripts as they arrive), with the run's
-    sampling checked by it before any agent (a refusal: this worker cannot start)."""
+    sampling and the tasks' own overrides (`checked`: each distinct set once) checked by it
+    before any agent, as the single-process CLI checks them (a refusal: this worker cannot
+    start, the task named)."""
     if args.engine == "sim":
         from ..sim.simulate import load_workload, sim_parts
 
@@ -125,7 +153,7 @@ def build_engine(args: argparse.Namespace, sampling: SamplingParams) -> EngineBu
     setup = ENGINES[args.engine](args, [])
     constrain = constrain_tool_calls(args.constrain_tool_calls, setup.engine)
     try:
-        check_sampling(setup.engine, sampling, [], constrain)
+        check_sampling(setup.engine, sampling, checked, constrain)
     except ValueError:
         asyncio.run(setup.engine.aclose())
         raise

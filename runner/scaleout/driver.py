@@ -50,6 +50,7 @@ class Target:
 
     address: str | None
     how: str
+    probed: bool = False  # resolve already found something listening at the address
 
 
 def recorded_address_file() -> Path:
@@ -79,7 +80,8 @@ def resolve(address: str | None) -> Target:
     if recorded:
         try:
             check_reachable(recorded, timeout=2.0)
-            return Target(recorded, f"the cluster started on this machine ({path}: {recorded})")
+            how = f"the cluster started on this machine ({path}: {recorded})"
+            return Target(recorded, how, probed=True)
         except RayUnavailable:
             log.warning(
                 "%s names the Ray cluster %s, which does not answer (stopped?): starting a "
@@ -90,9 +92,19 @@ def resolve(address: str | None) -> Target:
     return Target(None, "a local Ray cluster on 127.0.0.1 (this machine only)")
 
 
-def connect(address: str | None) -> tuple[Any, Target]:
-    """ray.init on the cluster `resolve(address)` picks. Returns the ray module and it."""
+def reach(address: str | None) -> Target:
+    """The cluster `resolve(address)` picks, found listening (fail fast, instead of Ray's long
+    retries): each address probed once."""
     target = resolve(address)
+    where = target.address
+    if where and "://" not in where and where not in ("auto", "local") and not target.probed:
+        check_reachable(where)
+    return target
+
+
+def connect(address: str | None) -> tuple[Any, Target]:
+    """ray.init on the cluster `reach(address)` finds. Returns the ray module and it."""
+    target = reach(address)
     if target.address is None:
         os.environ.setdefault(LOOPBACK_ENV, "0")  # before Ray is imported
     try:
@@ -100,8 +112,6 @@ def connect(address: str | None) -> tuple[Any, Target]:
     except ImportError as e:
         raise RayUnavailable(f"--ray needs the ray package ({e}): {INSTALL}") from None
     where = target.address
-    if where and "://" not in where and where not in ("auto", "local"):
-        check_reachable(where)
     options: dict[str, Any] = {}
     host = (where or "").rsplit(":", 1)[0]
     if where is None or host in ("127.0.0.1", "localhost"):  # this driver joins on loopback

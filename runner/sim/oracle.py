@@ -7,7 +7,9 @@ No schedule can finish sooner than any of:
   once per iteration, the KV of each token's context read once), and at least as many
   decode iterations as the pool needs to hold the contexts they read;
 - the longest agent's own serial chain: its prefills and its decodes at batch 1, plus its
-  tools, one after another;
+  tools, one after another; and that chain with the GPU it shares: the other agents' decode
+  tokens either ride in its decode iterations, each lengthening them, or run in iterations
+  without it, which fit only in its tools or hold it up;
 - the KV pool's memory-time: `capacity` x time must cover the token-seconds the contexts are
   resident. Every context is resident while a token of it is produced (the whole iteration)
   and, unless it is dropped and later recomputed, while its tool runs. Producing tokens in
@@ -19,6 +21,11 @@ No schedule can finish sooner than any of:
   attention of its position; with a host tier, at most its PCIe reload), cheapest per
   token-second first, paid both by the engine and by the dropping agent's own chain. The
   bound is the least time at which all of this fits.
+The engine term also counts the decode iterations SGLang's admission reserve forces (each
+admission needs min(max_new, 4096) free beyond the running requests' contexts and >= 0.098 x
+their reserves), and the memory term's decode iterations fit in the time the prefill leaves;
+both, like the engine term and the shared chain, for runs that never retract (every bench
+run). MoE decode iterations read the experts a batch adds (the concave chord).
 Each step produces its first token in its prefill and the rest in decode iterations. Template
 tokens the runner adds around each turn are left out, which only lowers the bound.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.
@@ -27,15 +34,30 @@ docs/simulator.md ("The oracle lower bound") gives each term's argument.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from .engine import CostModel
 from .engine import deployment as sim_deployment
+from .engine.scheduler import (
+    CLIP_MAX_NEW_TOKENS,
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO_FACTOR,
+)
 from .workload import Workload
 
 CHUNK = 8192  # SGLang's default chunked_prefill_size
+MAX_NEW_TOKENS = 4096  # what the simulated runner asks per request (simulate.SIM_SAMPLING)
+# the least new_token_ratio a run that never retracts sees (schedule_conservativeness 1)
+MIN_RATIO = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
+# template tokens the runner adds to an agent's context, at most (its instructions once, the
+# chat template per turn; tests/test_oracle.py measures them): only used to tell whether the
+# engine's clip of max_new_tokens can bind
+TEMPLATE_ONCE, TEMPLATE_PER_TURN = 512, 64
+SHARED_AGENTS = 8  # agents, longest chains first, that _shared_chain_bound is taken over
 
 
 @dataclass
@@ -54,6 +76,35 @@ class _Totals:
     tools: list[tuple[float, int, int, int]] = field(default_factory=list)
     # per agent: seconds of recompute its own prefills can hide under their weight reads
     hidden: list[float] = field(default_factory=list)
+    # admission: sum over decoding steps of (g - 1) x (private prompt + MIN_RATIO x (reserve
+    # - 1)), and the least reserve min(max_new, 4096) of those steps (_admission_iters)
+    admission: float = 0.0
+    reserve_min: int = CLIP_MAX_NEW_TOKENS
+    # the least a decoding step adds to a batch's sum above, and its least private context
+    admission_min: float = math.inf
+    private_min: int = 0
+    # per agent, for _shared_chain_bound: decode tokens, their reads, tool seconds, its
+    # prefills' compute seconds and the weight-read seconds those prefills leave above it
+    agent_decode: list[int] = field(default_factory=list)
+    agent_reads: list[int] = field(default_factory=list)
+    agent_tools: list[float] = field(default_factory=list)
+    agent_compute: list[float] = field(default_factory=list)
+    agent_slack: list[float] = field(default_factory=list)
+    # per decoding step: (least context its tokens attend, tokens, admission weight)
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    agent_admission: list[float] = field(default_factory=list)
+
+
+def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
+    """A floor on min(max_new_tokens, 4096) of every request of an agent, which the engine
+    clips to min(context, pool) - 2 - prompt: its prompts are at most its final context plus
+    the runner's template tokens. 0 (no credit) where the clip could bind."""
+    a = workload.agents[agent]
+    limit = min(cost.d.max_context, cost.d.pool_tokens) - 2
+    template = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
+    longest = workload.system_tokens + a.total_tokens() + template
+    want = min(MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+    return want if limit - longest >= want else 0
 
 
 def _totals(workload: Workload, cost: CostModel) -> _Totals:
@@ -64,17 +115,29 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
         tot.fresh += sys_tokens
     for agent, a in enumerate(workload.agents):
         start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
-        chain = hidden = 0.0
+        chain = hidden = tools = compute = slack = 0.0
+        decode, reads, admission = tot.decode, tot.reads, tot.admission
+        reserve = _reserve(workload, cost, agent)
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
             tot.sampled += 1
             solo = cost.prefill([(start, ctx)])  # its own iteration at least
             chain += solo.seconds
+            compute += solo.parts["compute"]
+            slack += max(0.0, solo.parts["memory"] - solo.parts["compute"])
             if i:  # where recompute of what it lost in the tool before would land
                 hidden += max(0.0, solo.parts["memory"] - solo.parts["compute"])
             # the prefill samples token 1; token j (2..g) attends ctx + j - 1 tokens
             n, own = s.gen_tokens - 1, ctx - sys_tokens
+            if n:
+                weight = own + MIN_RATIO * (reserve - 1)
+                tot.admission += n * weight
+                tot.admission_min = min(tot.admission_min, weight)
+                tot.reserve_min = min(tot.reserve_min, reserve)
+                tot.private_min = own + 1 if tot.decode == 0 else min(tot.private_min, own + 1)
+            if n:
+                tot.steps.append((ctx + 1, n, own + MIN_RATIO * (reserve - 1)))
             tot.decode += n
             tot.reads += n * ctx + n * (n + 1) // 2
             tot.private_reads += n * own + n * (n + 1) // 2
@@ -84,10 +147,17 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
             ctx += s.gen_tokens
             if i < len(a.steps) - 1:
                 chain += s.tool_seconds
+                tools += s.tool_seconds
                 tot.tools.append((s.tool_seconds, ctx - sys_tokens, ctx, agent))
                 start, ctx = ctx, ctx + s.obs_tokens
         tot.chains.append(chain)
         tot.hidden.append(hidden)
+        tot.agent_decode.append(tot.decode - decode)
+        tot.agent_reads.append(tot.reads - reads)
+        tot.agent_tools.append(tools)
+        tot.agent_compute.append(compute)
+        tot.agent_slack.append(slack)
+        tot.agent_admission.append(tot.admission - admission)
     return tot
 
 
@@ -124,46 +194,159 @@ def lower_bound(
     # Decode in iterations of the whole batch; the per-iteration batch is rounded down so
     # the bound never counts more tokens than were generated.
     gen, reads = tot.decode, tot.reads
-    iters = math.ceil(gen / max(1, len(workload.agents)))
+    widest = _widest(tot, len(workload.agents), sys_tokens, capacity)
+    iters = math.ceil(gen / widest)
     batch = gen // iters if iters else 0
     decode = iters * cost.decode(batch, reads // iters) if iters else 0.0
     # Every request in one decode iteration is resident at once: their contexts (the shared
     # prompt once) fit the pool, so there are at least this many iterations.
     mem_iters = math.ceil(tot.private_reads / max(1, capacity - sys_tokens))
-    decode = max(decode, _decode_floor(cost, mem_iters, gen, reads))
+    min_iters = max(mem_iters, _admission_iters(tot, sys_tokens, capacity))
+    decode = max(decode, _decode_floor(cost, min_iters, gen, reads, widest))
     engine = prefill + decode
     chain = max(tot.chains, default=0.0)
+    longest = sorted(range(len(tot.chains)), key=lambda a: -tot.chains[a])[:SHARED_AGENTS]
+    room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+    shared = max((_shared_chain_bound(cost, tot, widest, a, room) for a in longest), default=0.0)
     memory = _coupled_memory_bound(
-        cost, tot, len(workload.agents), sys_tokens, capacity, host_tier,
-        max(engine - slack, prefill_compute), engine,
+        cost, tot, widest, sys_tokens, capacity, host_tier,
+        max(engine - slack, prefill_compute), engine, prefill, min_iters,
     )  # fmt: skip
     return {
-        "bound_seconds": round(max(memory, chain), 3),
+        "bound_seconds": round(max(memory, chain, shared), 3),
         "engine_bound_seconds": round(engine, 3),
         "memory_bound_seconds": round(memory, 3),
         "prefill_seconds": round(prefill, 3),
         "decode_seconds": round(decode, 3),
         "longest_chain_seconds": round(chain, 3),
+        "shared_chain_seconds": round(shared, 3),
+        "decode_iterations_min": max(min_iters, iters),
     }
 
 
-def _decode_floor(cost: CostModel, iters: int, gen_tokens: int, ctx_reads: int) -> float:
+def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
+    """Decode iterations the admission rule forces (docs/simulator.md, item 1): a request
+    is admitted only while the running ones' contexts, its own, its reserve M and at least
+    MIN_RATIO x (M - generated) for each running one fit the pool; so every decode batch has
+    sum over its requests of (private prompt + MIN_RATIO (M - 1)) below
+    capacity - shared prompt - (1 - MIN_RATIO) x the least M."""
+    room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+    if tot.decode <= 0 or room <= 0:
+        return 0
+    return max(0, math.ceil(tot.admission / room))
+
+
+def _widest(tot: _Totals, agents: int, sys_tokens: int, capacity: int) -> int:
+    """The most requests one decode iteration can hold: one per agent, their private
+    contexts within the pool, and the admission rule's sum (_admission_iters)."""
+    widest = max(1, agents)
+    if tot.decode > 0:
+        widest = min(widest, max(1, (capacity - sys_tokens) // max(1, tot.private_min)))
+        room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+        if tot.admission_min > 0:
+            widest = min(widest, max(1, math.ceil(room / tot.admission_min)))
+    return widest
+
+
+def _decode_floor(
+    cost: CostModel, iters: int, gen_tokens: int, ctx_reads: int, widest: int = 1
+) -> float:
     """A floor on `gen_tokens` decoded in `iters` iterations however they are batched: each
     reads at least one token's weights, pays its launch cost and its all-reduce latency;
     across them the KV reads and the FLOPs add up (a sum of maxima is at least the max of
-    the sums), and the all-reduce bytes grow linearly with the batch."""
+    the sums), and the all-reduce bytes grow linearly with the batch. MoE: a batch of b
+    <= `widest` tokens reads w(b) >= w(1) + (b - 1) x the chord of the concave w over
+    1..widest, so the iterations read at least iters w(1) + (gen - iters) x chord."""
     if iters <= 0 or gen_tokens <= 0:
         return 0.0
     iters = min(iters, gen_tokens)
     one, two = cost.decode_parts(1, 0), cost.decode_parts(2, 0)
+    chord = 0.0
+    if widest > 1:
+        chord = (cost.decode_parts(widest, 0)["memory"] - one["memory"]) / (widest - 1)
     kv = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
     flops_tok = two["compute"] - one["compute"]
     flops_ctx = cost.decode_parts(1, 1)["compute"] - one["compute"]
     ar_tok = two["allreduce"] - one["allreduce"]
-    memory = iters * one["memory"] + kv * ctx_reads
+    memory = iters * one["memory"] + chord * (gen_tokens - iters) + kv * ctx_reads
     compute = flops_tok * gen_tokens + flops_ctx * ctx_reads
     allreduce = iters * (one["allreduce"] - ar_tok) + ar_tok * gen_tokens
     return max(memory, compute) + allreduce + iters * one["overhead"]
+
+
+def _shared_chain_bound(
+    cost: CostModel, tot: _Totals, widest: int, agent: int, room: float
+) -> float:
+    """The agent's chain with the GPU it shares (docs/simulator.md, item 2). Iterations
+    without it run during its tools or hold it up: T >= own + riding + max(tools, rest),
+    where the others' decode tokens either ride in its decode iterations (each adds at
+    least mu = the chord of the weights read plus its all-reduce bytes, and k x its
+    context) or run in iterations without it (each at least base - mu more). Minimised over
+    y, the riding tokens (the y least contexts at best), and over where their prefill runs."""
+    g_own = tot.agent_decode[agent]
+    if g_own <= 0:
+        return tot.chains[agent]
+    one = cost.decode_parts(1, 0)
+    base = one["memory"] + one["allreduce"] + one["overhead"]
+    k = cost.decode_parts(1, 1)["memory"] - one["memory"]
+    mu = cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
+    if widest > 1:
+        mu += (cost.decode_parts(widest, 0)["memory"] - one["memory"]) / (widest - 1)
+    # a batch-1 decode its chain counts at max(compute, memory): riders' reads can hide
+    # under that much compute (none on the presets: decode at batch 1 is memory-bound)
+    top = max((c + n for c, n, _ in tot.steps), default=1)
+    gap = max(
+        d["compute"] - d["memory"] for d in (cost.decode_parts(1, 1), cost.decode_parts(1, top))
+    )
+    hide = max(0.0, gap) * g_own
+    g_rest = tot.decode - g_own
+    # the others' prefill compute, less what the agent's own prefills leave idle under their
+    # weight reads (where it could ride for free)
+    prefill = max(0.0, sum(tot.agent_compute) - tot.agent_compute[agent] - tot.agent_slack[agent])
+    # ride + rest: every other token's mu and reads wherever it runs (less what hides under
+    # the agent's own compute), the prefill, and base - mu per iteration without the agent
+    rest_fixed = g_rest * mu + k * (tot.reads - tot.agent_reads[agent]) + prefill - hide
+    least_reads = _least_sum([(c, n) for c, n, _ in tot.steps])
+    most_weight = _least_sum([(-w, n) for _, n, w in tot.steps])
+    weight_rest = tot.admission - tot.agent_admission[agent]
+
+    def riding(y: int) -> float:
+        return tot.agent_tools[agent] + max(0.0, y * mu + k * least_reads(y) - hide)
+
+    def rest(y: int) -> float:
+        """The others' work without the agent: its iterations hold at most `widest`
+        requests, and the admission rule's sum (_admission_iters) of the tokens not riding."""
+        iters = math.ceil((g_rest - y) / widest)
+        if room > 0:
+            iters = max(iters, math.ceil((weight_rest + most_weight(y)) / room))
+        return rest_fixed + (base - mu) * iters
+
+    lo, hi = 0, min(g_rest, (widest - 1) * g_own)
+    while lo < hi:  # riding grows with y, rest shrinks: the least max is where they cross
+        mid = (lo + hi) // 2
+        if riding(mid) >= rest(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    best = min(max(riding(y), rest(y)) for y in {lo, max(0, lo - 1)})
+    own = tot.chains[agent] - tot.agent_tools[agent]
+    return own + best
+
+
+def _least_sum(values: list[tuple[float, int]]) -> Callable[[int], float]:
+    """y -> the sum of the y least of a multiset given as (value, count) pairs."""
+    values = sorted(values)
+    counts = list(accumulate(n for _, n in values))
+    sums = list(accumulate(v * n for v, n in values))
+
+    def least(y: int) -> float:
+        i = bisect_left(counts, y)
+        if i >= len(values):
+            return float(sums[-1]) if sums else 0.0
+        before = counts[i - 1] if i else 0
+        return (sums[i - 1] if i else 0.0) + (y - before) * values[i][0]
+
+    return least
 
 
 def _coupled_memory_bound(
@@ -175,28 +358,30 @@ def _coupled_memory_bound(
     host_tier: bool,
     engine: float,
     floor: float,
+    prefill: float = 0.0,
+    min_iters: int = 0,
 ) -> float:
-    """The memory bound, coupled to N, the iterations that produce decode tokens. Each of
-    them, decode or a retracted request's re-prefill, lasts at least base + k x C (one
-    token's weights, launch and all-reduce latency, plus reading the C context tokens of its
-    requests) while those contexts are resident, so (C' = C without the shared prompt)
-    their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) + sys R');
-    and the N iterations take >= N base + k R + the extra weights and all-reduce bytes of
-    batching, so a run of T seconds has N <= N(T). `engine` is the work the drops'
-    recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
+    """The memory bound, coupled to N, the decode iterations. Each lasts at least base +
+    k x C (one token's weights, launch and all-reduce latency, plus reading the C context
+    tokens of its requests) while those contexts are resident, so (C' = C without the shared
+    prompt) their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) +
+    sys R'); and the N iterations take >= N base + k R + the extra weights and all-reduce
+    bytes of batching, in the time the prefill iterations (>= `prefill` seconds) leave, so a
+    run of T seconds has N <= N(T); N >= `min_iters` (the pool, admission). `engine` is the
+    work the drops' recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
     one = cost.decode_parts(1, 0)
     base = one["memory"] + one["allreduce"] + one["overhead"]
     k = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
     # batching: a token beyond the first adds at least the chord of the (concave) expert
-    # weights read over 1..agents, and its all-reduce bytes
+    # weights read over 1..agents (the widest batch), and its all-reduce bytes
     wide = cost.decode_parts(max(2, agents), 0)["memory"]
     per_tok = (wide - one["memory"]) / max(1, agents - 1)
     per_tok += cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
     rp, g = tot.private_reads, tot.decode
-    fixed_part = g * per_tok + k * tot.reads
+    fixed_part = prefill + g * per_tok + k * tot.reads
     slope = base - per_tok  # >= 0: w(agents) <= agents x w(1) for concave w, w(0) >= 0
     # at most `agents` requests per iteration, and their contexts fit the pool
-    lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens))
+    lo = max(1.0, g / max(1, agents), rp / max(1, capacity - sys_tokens), float(min_iters))
 
     def held(t: float) -> float | None:
         """Decode residency of a run of t seconds (None: too short for its iterations)."""

@@ -108,6 +108,24 @@ class SimResult:
         return d
 
 
+def sim_setup(
+    workload: Workload,
+    deployment: str,
+    *,
+    control_period: float,
+    pause_rule: str,
+    resume_rule: str,
+    engine_options: dict[str, Any] | None,
+) -> tuple[SimParts, BatchConfig]:
+    """The tasks, engine and batch settings `simulate` runs (tests/test_bench_cli.py holds the
+    CLI's to them)."""
+    parts = sim_parts(workload, deployment, engine_options)
+    config = sim_config(
+        parts, control_period=control_period, pause_rule=pause_rule, resume_rule=resume_rule
+    )
+    return parts, config
+
+
 def simulate(
     workload: Workload,
     deployment: str,
@@ -124,9 +142,13 @@ def simulate(
     if out.exists():
         shutil.rmtree(out)
     store = RunStore(out)
-    parts = sim_parts(workload, deployment, engine_options)
-    config = sim_config(
-        parts, control_period=control_period, pause_rule=pause_rule, resume_rule=resume_rule
+    parts, config = sim_setup(
+        workload,
+        deployment,
+        control_period=control_period,
+        pause_rule=pause_rule,
+        resume_rule=resume_rule,
+        engine_options=engine_options,
     )
     batch = Batch(parts.tasks, parts.engine, NullSandbox(), policy, store, config)
     outcome = execute(

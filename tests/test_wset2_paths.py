@@ -1,0 +1,149 @@
+"""wset2's decisions through the gate's tool-call view (runner/gate_order.py: the holders in
+a call by when it began, the finished durations sorted; numpy's mean excess, the prepared
+fit) against the path it replaced (tests/reference_wset2.py, on tuples from the sort-based
+reference gate): random event sequences through both gates, and after every event the same
+time from which KV is dropped, the same dropped holders, the same fit and the same decision
+for random policy settings and engines."""
+
+import asyncio
+import random
+
+import pytest
+
+from runner import gate as gate_module
+from runner import gate_order
+from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
+from runner.policies import (
+    ContextList,
+    Signals,
+    WorkingSet2,
+    _capacity,
+    _fit_dropping,
+    _held_past,
+    _RemainingTime,
+)
+from tests import reference_gate, reference_wset2
+
+
+def signals(s_kw: dict, contexts, tools) -> Signals:
+    return Signals(contexts=contexts, tools=tools, **s_kw)
+
+
+def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float) -> int:
+    """The new path on the gate's views against the old one on the reference's tuples, for a
+    few random settings; returns how many holders the old path dropped in all."""
+    held, waiting = ref.contexts()
+    old_contexts = ContextList(held, waiting)
+    held_s, durations = ref.tool_seconds(), ref.tool_durations()
+    assert tuple(gate.contexts()) == held + waiting
+    dropped_total = 0
+    for _ in range(3):
+        capacity = rng.choice([5_000, 20_000, 60_000, rng.randint(1_000, 100_000)])
+        policy = WorkingSet2(
+            reserve=rng.choice([0.0, 0.1, 0.3]),
+            headroom_steps=rng.choice([0.0, 1.0]),
+            drop_factor=rng.choice([0.05, 0.3, 1.0, 3.0]),
+        )
+        break_even = rng.choice([0.3, 1.0, rng.uniform(0.01, 6.0)])  # seconds
+        s_kw = dict(
+            now=now, window=gate.window, usage=0.3, hit_rate=0.5,
+            active=len(held), paused=0, pending=len(waiting), finished=0,
+            unfinished=len(held) + len(waiting), capacity_tokens=capacity,
+            recompute_token_seconds=rng.choice([None, break_even / capacity]),
+            growth_per_step=rng.choice([None, 0.0, 300.0, rng.uniform(0, 900)]),
+            recompute_rate=rng.choice([None, 0.1, 0.5]),
+            shared_tokens=rng.choice([None, 0, 40, rng.randint(0, 3000)]),
+        )  # fmt: skip
+        new_s = signals(s_kw, gate.contexts(), gate.tools())
+        old_s = signals(s_kw, old_contexts, None)
+        after = policy._drop_after(new_s, _capacity(new_s, True))
+        assert after == reference_wset2._drop_after(policy, old_s, capacity, durations)
+        if after is not None:
+            dropped = _held_past(new_s, after)
+            old_past = [(i, held[i]) for i, t in enumerate(held_s) if t > 0 and t >= after]
+            assert dropped == old_past
+            dropped_total += len(dropped)
+            budget = rng.uniform(-10, 2 * capacity)
+            extra, shared = rng.choice([0.0, 250.0]), rng.choice([0, 800])
+            assert _fit_dropping(
+                new_s.contexts, budget, extra, shared, dropped
+            ) == reference_wset2._fit_dropping(
+                old_contexts, budget, extra, shared, [p for p, _ in dropped]
+            )
+        got = policy.update(new_s)
+        assert got == reference_wset2.update(policy, old_s, held_s, durations)
+    return dropped_total
+
+
+async def run_sequence(seed: int, n_events: int) -> int:
+    rng, queries = random.Random(seed), random.Random(-seed)
+    now = [0.0]
+    rules = dict(
+        pause_rule=rng.choice(list(PAUSE_RULES)), resume_rule=rng.choice(list(RESUME_RULES))
+    )
+    window = rng.randint(1, 12)
+    gate = Gate(window, clock=lambda: now[0], **rules)
+    ref = reference_gate.Gate(window, clock=lambda: now[0], **rules)
+    keys = [f"a{i}" for i in range(rng.randint(1, 30))]
+    tasks: dict[str, tuple[asyncio.Future, asyncio.Future]] = {}
+    ctx = dict.fromkeys(keys, 0)
+    dropped = 0
+    for _ in range(n_events):
+        e, k = rng.random(), rng.choice(keys)
+        if e < 0.4 and k not in tasks:  # a step boundary (the end of a tool call)
+            ctx[k] = max(0, ctx[k] + rng.choice([0, rng.randint(1, 3000), -rng.randint(1, 500)]))
+            tasks[k] = (
+                asyncio.ensure_future(gate.acquire(k, ctx[k])),
+                asyncio.ensure_future(ref.acquire(k, ctx[k])),
+            )
+        elif e < 0.6:  # a request ends: a tool call begins
+            gate.done_request(k)
+            ref.done_request(k)
+        elif e < 0.64:
+            gate.finish(k)
+            ref.finish(k)
+        elif e < 0.67 and tasks:
+            for t in tasks[rng.choice(sorted(tasks))]:
+                t.cancel()
+        elif e < 0.75:
+            w = rng.randint(0, len(keys) + 3)
+            assert gate.resize(w) == ref.resize(w)
+        else:  # time moves: by a few set steps (ties among the durations) or any amount
+            now[0] += rng.choice([0.0, 0.5, 1.0, rng.uniform(0.0, 3.0), rng.expovariate(0.2)])
+        for _ in range(2):
+            await asyncio.sleep(0)
+        for key in sorted(tasks):
+            if all(t.done() for t in tasks[key]):
+                del tasks[key]
+        dropped += compare(gate, ref, queries, now[0])
+    for pair in tasks.values():
+        for t in pair:
+            t.cancel()
+    await asyncio.gather(*(t for pair in tasks.values() for t in pair), return_exceptions=True)
+    return dropped
+
+
+@pytest.mark.parametrize(("kept", "sequences"), [(1000, 150), (7, 150)])
+async def test_wset2_decides_as_the_path_it_replaced(monkeypatch, kept, sequences):
+    # tiny blocks (many of them) and, in one run, few kept durations (the oldest evicted
+    # from the sorted array all the time)
+    monkeypatch.setattr(gate_order, "LOAD", 2)
+    monkeypatch.setattr(gate_module, "TOOL_DURATIONS_KEPT", kept)
+    monkeypatch.setattr(reference_gate, "TOOL_DURATIONS_KEPT", kept)
+    dropped = 0
+    for seed in range(sequences):
+        dropped += await run_sequence(seed, 120)
+    assert dropped > 1000  # the sequences do drop holders: the comparison is not vacuous
+
+
+def test_remaining_time_is_the_scalar_scan_it_replaced():
+    rng = random.Random(9)
+    for _ in range(400):
+        durations = tuple(
+            rng.choice([0.0, 0.5, 1.0, 2.5, rng.uniform(0, 90), rng.expovariate(0.1)])
+            for _ in range(rng.randint(1, 60))
+        )
+        new, old = _RemainingTime(sorted(durations)), reference_wset2._RemainingTime(durations)
+        for x in [rng.uniform(0, 100) for _ in range(5)] + list(durations[:5]) + [0.0]:
+            assert new.first_above(x) == old.first_above(x)
+            assert new.expected(x) == old.expected(x)

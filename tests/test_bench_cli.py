@@ -3,23 +3,12 @@ arguments the bench records for a run (its `cli` field) as from the bench's own 
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import shlex
-import sys
 
 import pytest
 
-from .conftest import ROOT, run_cli
-
-
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from .conftest import load_bench, run_cli
 
 
 @pytest.mark.parametrize(
@@ -28,7 +17,7 @@ def _bench(name: str):
     ["ds-32-aimd", "ds-32-hicache-host200-bw2"],
 )
 def test_cli_reproduces_paper_bench_run(tmp_path, monkeypatch, name):
-    paper = _bench("paper")
+    paper = load_bench("paper")
     monkeypatch.setattr(paper, "RUNS", tmp_path / "bench")
     run = next(r for r in paper.plan("ds-32", quick=False) if r.name == name)
     rec = paper.execute((run, 0))
@@ -42,7 +31,7 @@ def test_cli_reproduces_paper_bench_run(tmp_path, monkeypatch, name):
 def test_bounds_report_flags_a_run_faster_than_its_bound():
     # bench/bounds.py recomputes every row's bound without rerunning: a recorded run faster
     # than its row's bound is named (and makes the script exit 1); the others are not
-    bounds = _bench("bounds")
+    bounds = load_bench("bounds")
     recs = [
         {"run": "qwen-tp8-wset", "config": "qwen-tp8", "system": "wset", "sim_seconds": 539.0},
         {"run": "qwen-tp8-fast", "config": "qwen-tp8", "system": "aimd", "sim_seconds": 100.0},
@@ -80,7 +69,7 @@ def test_every_bench_run_parses_to_the_settings_the_bench_simulates(tmp_path, mo
     from runner.policies import make_policy
     from runner.sim import simulate
 
-    paper, stress = _bench("paper"), _bench("stress")
+    paper, stress = load_bench("paper"), load_bench("stress")
     workloads = functools.cache(simulate.load_workload)  # each preset generated once
     monkeypatch.setattr(simulate, "load_workload", workloads)
     runs = [*paper.plan(None, quick=False), *stress.plan(None, None)]

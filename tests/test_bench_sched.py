@@ -1,25 +1,13 @@
 """bench/sched.py: systems with their gate rules, reproducible from the CLI, and its checks."""
 
-import importlib.util
 import json
 import shlex
-import sys
 
-from .conftest import ROOT, run_cli
-
-
-def _bench(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from .conftest import load_bench, run_cli
 
 
 def test_a_system_names_its_policy_and_gate_rules():
-    sched = _bench("sched")
+    sched = load_bench("sched")
     assert sched.parse_system("wset2") == ("wset2", ("newest", "newest"))
     assert sched.parse_system("aimd") == ("aimd", ("newest", "oldest"))  # the paper's rules
     assert sched.parse_system("wset2:reserve=0.05@longest/oldest") == (
@@ -31,7 +19,7 @@ def test_a_system_names_its_policy_and_gate_rules():
 
 
 def test_a_run_with_other_rules_is_reproduced_by_its_cli_line(tmp_path, monkeypatch):
-    sched = _bench("sched")
+    sched = load_bench("sched")
     monkeypatch.setattr(sched.paper, "RUNS", tmp_path / "bench")
     [(run, seed)] = sched.plan(["ds-16"], ["wset2@longest/newest"], [1])
     rec = sched.execute((run, seed))

@@ -194,6 +194,16 @@ time.sleep(60)
     assert not list(folder.iterdir())  # the mount points are gone too
 
 
+def python_as_nobody(code: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code` from the checkout as the real unprivileged user nobody."""
+    return subprocess.run(
+        reachable_by_others(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                             sys.executable, "-c", code]),
+        cwd=ROOT, capture_output=True, text=True, check=True,
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
 def test_not_root_falls_back_to_the_watch(tmp_path: Path) -> None:
     """A real unprivileged user cannot mount: the workspace is a plain directory, and the
     bound says why it is not exact."""
@@ -205,12 +215,7 @@ def test_not_root_falls_back_to_the_watch(tmp_path: Path) -> None:
             f"b = make_workspace(Path({str(d)!r}) / 'ws', {LIMIT}, 'tmpfs'); "
             "print(json.dumps([b.fs, b.exact, b.why]))"
         )
-        out = subprocess.run(
-            reachable_by_others(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                 sys.executable, "-c", code]),
-            cwd=ROOT, capture_output=True, text=True, check=True,
-            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+        out = python_as_nobody(code)
         fs, exact, why = json.loads(out.stdout)
         assert (fs, exact) == ("watch", False) and why.startswith("not root")
         assert "not on their own tmpfs filesystem" in out.stderr  # said in the log
@@ -277,11 +282,6 @@ def test_start_up_line_says_why_not_exact_when_not_root(needs_bwrap) -> None:
         "from tools.sandbox import Limits, limits_line, make_sandbox; "
         "print(limits_line(make_sandbox('bwrap-user'), Limits(), 'tmpfs'))"
     )
-    out = subprocess.run(
-        reachable_by_others(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                             sys.executable, "-c", code]),
-        cwd=ROOT, capture_output=True, text=True, check=True,
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    out = python_as_nobody(code)
     assert out.stdout.strip().endswith("MiB, watched (not root: only root can mount a "
                                        "filesystem per workspace)"), out.stdout  # fmt: skip

@@ -9,33 +9,16 @@ from runner.control import Controller
 from runner.engine import CacheStats
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.gate import Gate
-from runner.policies import ContextList, Signals, ToolList, WorkingSet2, make_policy
+from runner.policies import Signals, WorkingSet2, make_policy
 from runner.sim.engine import make_sim_engine
 
+from .test_wset2 import ws_sig
 
-def host_sig(
-    held, paused=(), pending=(), capacity=10_000, held_tool_seconds=(), tool_durations=(), **kw
-):
+
+def host_sig(held, paused=(), pending=(), **kw):
     """Slot holders `held`, then the paused waiters, then the pending ones (the gate's
     order), on a 10K device pool."""
-    waiting = (*paused, *pending)
-    base = dict(
-        now=0.0,
-        window=max(1, len(held)),
-        usage=0.3,
-        hit_rate=0.9,
-        active=len(held),
-        paused=len(paused),
-        pending=len(pending),
-        finished=0,
-        unfinished=len(held) + len(waiting),
-        capacity_tokens=capacity,
-        contexts=ContextList(tuple(held), tuple(waiting)),
-        growth_per_step=0.0,
-        tools=ToolList(tuple(held_tool_seconds), tuple(tool_durations), tuple(held)),
-    )
-    base.update(kw)
-    return Signals(**base)
+    return ws_sig(held, (*paused, *pending), paused=len(paused), pending=len(pending), **kw)
 
 
 # a host tier 10x the device, reloads 20x cheaper than recomputes, a 1 s control period

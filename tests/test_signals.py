@@ -24,13 +24,16 @@ def bash(cmd: str) -> str:
     return f"<tool_call>{json.dumps({'name': 'bash', 'arguments': {'command': cmd}})}</tool_call>"
 
 
-def write_tasks(path: Path, short: int, long_sleep: float, long: int) -> tuple[Path, str]:
-    """`short` agents whose one bash step sleeps 2 s; `long` agents sleeping `long_sleep`.
+def write_tasks(
+    path: Path, short: int, long_sleep: float, long: int, short_sleep: float = 2
+) -> tuple[Path, str]:
+    """`short` agents whose one bash step sleeps `short_sleep`; `long` agents sleeping
+    `long_sleep`.
     -> (the file, a mark unique to this test in every command line, to find its processes)."""
     mark = f"concur-test-{os.getpid()}-{path.parent.name}"
     with path.open("w") as f:
         for i in range(short):
-            cmd = f"sleep 2; : short {mark}"  # not the last command: bash stays
+            cmd = f"sleep {short_sleep}; : short {mark}"  # not the last command: bash stays
             f.write(json.dumps({"id": f"short-{i}", "prompt": "p", "replay": [bash(cmd)]}))
             f.write("\n")
         for i in range(long):
@@ -68,22 +71,25 @@ def sleepers(mark: str) -> list[int]:
 
 
 def test_sigterm_drains_admitted_agents_and_exits_143(tmp_path, needs_bwrap):
-    tasks, mark = write_tasks(tmp_path / "t.jsonl", short=2, long_sleep=600, long=2)
+    # The short ones must still be running when the signal comes (else the waiting task
+    # takes a freed slot before it): 6 s leaves room for a loaded machine between the four
+    # sleepers showing up and the signal; they finish well inside the 15 s grace.
+    tasks, mark = write_tasks(tmp_path / "t.jsonl", short=2, long_sleep=600, long=2, short_sleep=6)
     out = tmp_path / "out"
     # Window 4: all four admitted; a fifth task waits at the gate and must not be admitted.
     with tasks.open("a") as f:
         f.write(json.dumps({"id": "waiting", "prompt": "p", "replay": [bash("true")]}) + "\n")
-    proc = start(tasks, out, "--policy", "agent-cap:4", "--grace-seconds", "8")
+    proc = start(tasks, out, "--policy", "agent-cap:4", "--grace-seconds", "15")
     wait_for_sleepers(4, mark, proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=90)
     took = time.monotonic() - t0
     assert proc.returncode == 143, err
     # the short ones finished within the grace period; the long ones were stopped at its end
     done = {r["task_id"]: r["status"] for r in read_jsonl(out / "trajectories.jsonl")}
     assert set(done) == {"short-0", "short-1"}, done
-    assert 7 <= took < 40, took
+    assert 14 <= took < 50, took
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["stopped_by"] == "SIGTERM"
     assert "SIGTERM: stopping" in err and "stopped by SIGTERM" in err

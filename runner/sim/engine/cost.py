@@ -1,8 +1,9 @@
 """Roofline cost model of one engine iteration, and the deployments the paper ran.
 
 An iteration takes max(compute time, memory time) for its phase, plus the tensor-parallel
-all-reduces, a fixed per-iteration overhead, and (HiCache) the host-to-device transfer of
-reloaded KV, which is not overlapped. Every constant is in docs/simulator.md with its
+all-reduces, a fixed per-iteration overhead, and (HiCache) what of the host-to-device
+transfer of reloaded KV outlasts the forward it overlaps layer by layer (`overlapped`).
+Every constant is in docs/simulator.md with its
 source; the efficiencies and overheads are calibration knobs, not measurements.
 
 Units: bytes, FLOP, seconds, tokens.

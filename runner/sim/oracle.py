@@ -138,8 +138,7 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
                 tot.admission_min = min(tot.admission_min, weight)
                 tot.reserve_min = min(tot.reserve_min, reserve)
                 tot.private_min = own + 1 if tot.decode == 0 else min(tot.private_min, own + 1)
-            if n:
-                tot.steps.append((ctx + 1, n, own + MIN_RATIO * (reserve - 1)))
+                tot.steps.append((ctx + 1, n, weight))
             tot.decode += n
             tot.reads += n * ctx + n * (n + 1) // 2
             tot.private_reads += n * own + n * (n + 1) // 2
@@ -208,7 +207,7 @@ def lower_bound(
     engine = prefill + decode
     chain = max(tot.chains, default=0.0)
     longest = sorted(range(len(tot.chains)), key=lambda a: -tot.chains[a])[:SHARED_AGENTS]
-    room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+    room = _admission_room(tot, sys_tokens, capacity)
     shared = max((_shared_chain_bound(cost, tot, widest, a, room) for a in longest), default=0.0)
     memory = _coupled_memory_bound(
         cost, tot, widest, sys_tokens, capacity, host_tier,
@@ -232,10 +231,23 @@ def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
     MIN_RATIO x (M - generated) for each running one fit the pool; so every decode batch has
     sum over its requests of (private prompt + MIN_RATIO (M - 1)) below
     capacity - shared prompt - (1 - MIN_RATIO) x the least M."""
-    room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+    room = _admission_room(tot, sys_tokens, capacity)
     if tot.decode <= 0 or room <= 0:
         return 0
     return max(0, math.ceil(tot.admission / room))
+
+
+def _admission_room(tot: _Totals, sys_tokens: int, capacity: int) -> float:
+    """What one decode batch's admission sum stays below (_admission_iters)."""
+    return capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+
+
+def _decode_unit(cost: CostModel) -> tuple[dict[str, float], float, float]:
+    """A batch-1 decode's parts with no context, `base` (its weights, all-reduce latency and
+    launch) and `k` (seconds to read one context token's KV)."""
+    one = cost.decode_parts(1, 0)
+    base = one["memory"] + one["allreduce"] + one["overhead"]
+    return one, base, cost.decode_parts(1, 1)["memory"] - one["memory"]
 
 
 def _widest(tot: _Totals, agents: int, sys_tokens: int, capacity: int) -> int:
@@ -244,7 +256,7 @@ def _widest(tot: _Totals, agents: int, sys_tokens: int, capacity: int) -> int:
     widest = max(1, agents)
     if tot.decode > 0:
         widest = min(widest, max(1, (capacity - sys_tokens) // max(1, tot.private_min)))
-        room = capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
+        room = _admission_room(tot, sys_tokens, capacity)
         if tot.admission_min > 0:
             widest = min(widest, max(1, math.ceil(room / tot.admission_min)))
     return widest
@@ -262,11 +274,11 @@ def _decode_floor(
     if iters <= 0 or gen_tokens <= 0:
         return 0.0
     iters = min(iters, gen_tokens)
-    one, two = cost.decode_parts(1, 0), cost.decode_parts(2, 0)
+    one, _, kv = _decode_unit(cost)
+    two = cost.decode_parts(2, 0)
     chord = 0.0
     if widest > 1:
         chord = (cost.decode_parts(widest, 0)["memory"] - one["memory"]) / (widest - 1)
-    kv = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
     flops_tok = two["compute"] - one["compute"]
     flops_ctx = cost.decode_parts(1, 1)["compute"] - one["compute"]
     ar_tok = two["allreduce"] - one["allreduce"]
@@ -288,9 +300,7 @@ def _shared_chain_bound(
     g_own = tot.agent_decode[agent]
     if g_own <= 0:
         return tot.chains[agent]
-    one = cost.decode_parts(1, 0)
-    base = one["memory"] + one["allreduce"] + one["overhead"]
-    k = cost.decode_parts(1, 1)["memory"] - one["memory"]
+    one, base, k = _decode_unit(cost)
     mu = cost.decode_parts(2, 0)["allreduce"] - one["allreduce"]
     if widest > 1:
         mu += (cost.decode_parts(widest, 0)["memory"] - one["memory"]) / (widest - 1)
@@ -371,9 +381,7 @@ def _coupled_memory_bound(
     bytes of batching, in the time the prefill iterations (>= `prefill` seconds) leave, so a
     run of T seconds has N <= N(T); N >= `min_iters` (the pool, admission). `engine` is the
     work the drops' recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
-    one = cost.decode_parts(1, 0)
-    base = one["memory"] + one["allreduce"] + one["overhead"]
-    k = cost.decode_parts(1, 1)["memory"] - one["memory"]  # seconds per context token read
+    one, base, k = _decode_unit(cost)
     # batching: a token beyond the first adds at least the chord of the (concave) expert
     # weights read over 1..agents (the widest batch), and its all-reduce bytes
     wide = cost.decode_parts(max(2, agents), 0)["memory"]

@@ -410,7 +410,9 @@ class WorkingSet2:
         growth = (s.growth_per_step or 0.0) * self.headroom_steps
         shared = s.shared_tokens or 0
         capacity = _capacity(s, self.use_host)
-        budget = _reserved_budget(s, capacity, self.reserve) - shared  # shared prefix once
+        host_counted = capacity > s.capacity_tokens  # a host tier adds to the device pool
+        # the shared prefix is stored once
+        budget = _reserved_budget(s, capacity, self.reserve, host_counted) - shared
         contexts = s.contexts
         after = self._drop_after(s, capacity)
         if after is not None:  # holders in calls past it count nothing
@@ -418,7 +420,7 @@ class WorkingSet2:
         else:
             fit = contexts.fit(budget, growth, shared)
         d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
-        cap = _resume_cap(s, capacity > s.capacity_tokens, self.reload_share)
+        cap = _resume_cap(s, host_counted, self.reload_share)
         return d if cap is None or cap >= d.window else Decision(cap, "fit:reload-cap")
 
     def _drop_after(self, s: Signals, capacity: float) -> float | None:
@@ -561,7 +563,7 @@ def _resume_cap(s: Signals, host_counted: bool, share: float) -> int | None:
     return held + max(1, j)
 
 
-def _reserved_budget(s: Signals, capacity: float, reserve: float) -> float:
+def _reserved_budget(s: Signals, capacity: float, reserve: float, host_counted: bool) -> float:
     """`wset2`'s tokens for the working set: `capacity` less its `reserve` share, which a
     host tier counted in `capacity` waives while every agent's context (holders and
     waiters, the shared prefix once) fits both tiers: then nobody needs to wait, since
@@ -570,7 +572,7 @@ def _reserved_budget(s: Signals, capacity: float, reserve: float) -> float:
     the host store's LRU keeps over a live agent's: the reserve absorbs it, as on the device.
     (Kept in proportion to the excess instead, reaching the full share at 1.1x or 2x the
     tiers, Qwen TP2 took 1,990 / 2,015 s against 1,967 s: docs/policies.md.)"""
-    if capacity <= float(s.capacity_tokens or 0):
+    if not host_counted:
         return (1.0 - reserve) * capacity
     contexts, shared = s.contexts, s.shared_tokens or 0
     everyone_fits = contexts.fit(capacity - shared, 0.0, shared) >= len(contexts)

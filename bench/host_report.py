@@ -34,29 +34,28 @@ SYSTEMS = ("hicache", "wset+hicache", "wset2+hicache", "wset2")
 RESULTS = ROOT / "bench" / "results"
 
 
-def rows() -> list[tuple[str, str, str, str]]:
-    """(suite, key, title, deployment/workload) of every paper row and stress row."""
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """(suite, key, title, deployment, workload) of every paper row and stress row."""
     out = [("paper", c.key, c.title, c.deployment, c.workload) for c in paper.TABLE1]
-    out += [("stress", r.key, r.title, r.deployment, r.workload) for r in stress.ROWS]
-    return out  # type: ignore[return-value]
+    return out + [("stress", r.key, r.title, r.deployment, r.workload) for r in stress.ROWS]
 
 
 def annotate(records: list[dict[str, Any]], seed: int) -> None:
     """Add each record's bounds (one oracle call per row and tier)."""
-    cache: dict[tuple[str, bool], float] = {}
-    by_row = {(r[3], r[4]): r for r in rows()}
+    known = {(dep, work) for *_, dep, work in rows()}
+    cache: dict[tuple[str, str, bool], float] = {}
+
+    def bound(dep: str, work: str, host: bool) -> float:
+        if (dep, work, host) not in cache:
+            w = synthetic(work, seed=seed)
+            cache[dep, work, host] = lower_bound(w, dep, host_tier=host)["bound_seconds"]
+        return cache[dep, work, host]
+
     for rec in records:
-        key = (rec["deployment"], rec["workload"])
-        for host in (False, True):
-            if (str(key), host) not in cache:
-                w = synthetic(rec["workload"], seed=seed)
-                cache[(str(key), host)] = lower_bound(w, rec["deployment"], host_tier=host)[
-                    "bound_seconds"
-                ]
-        host = rec["system"].endswith("hicache")
-        rec["bound_seconds"] = cache[(str(key), host)]
-        rec["bound_host_seconds"] = cache[(str(key), True)]
-        assert key in by_row, key
+        dep, work = rec["deployment"], rec["workload"]
+        assert (dep, work) in known, (dep, work)
+        rec["bound_seconds"] = bound(dep, work, rec["system"].endswith("hicache"))
+        rec["bound_host_seconds"] = bound(dep, work, True)
 
 
 def table(records: list[dict[str, Any]]) -> tuple[list[str], list[str]]:

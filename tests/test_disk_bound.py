@@ -285,3 +285,28 @@ def test_start_up_line_says_why_not_exact_when_not_root(needs_bwrap) -> None:
     out = python_as_nobody(code)
     assert out.stdout.strip().endswith("MiB, watched (not root: only root can mount a "
                                        "filesystem per workspace)"), out.stdout  # fmt: skip
+
+
+def test_start_up_line_on_a_full_temporary_folder(tmp_path: Path, needs_bwrap) -> None:
+    """A real full tmpfs as the temporary folder: the probe cannot even make its folder; the
+    start-up line says so, naming the folder and the error, instead of a traceback."""
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=2", "none", str(full)],
+                   check=True)  # fmt: skip
+    try:
+        (full / "taken").mkdir()  # the last inode
+        # the folder the process chose earlier (tempfile keeps it), full by now
+        code = (
+            f"import tempfile; tempfile.tempdir = {str(full)!r}; "
+            "from tools.sandbox import BwrapSandbox, Limits, limits_line; "
+            "print(limits_line(BwrapSandbox(False), Limits(), 'tmpfs'))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        line = out.stdout.strip()
+        assert f"MiB, watched (no probe workspace in {full}: [Errno 28] No space left" in line
+        assert line.endswith(")") and "Traceback" not in out.stderr, out
+    finally:
+        subprocess.run(["umount", str(full)], check=True)

@@ -102,7 +102,10 @@ def probe_workspace(limit: int, fs: str = DEFAULT_FS) -> WorkspaceBound:
     run's workspaces will get here, known before any agent starts (for the start-up log)."""
     if fs == "watch":
         return WorkspaceBound("watch", limit)
-    top = Path(tempfile.mkdtemp(prefix="concur-ws-probe-"))
+    try:
+        top = Path(tempfile.mkdtemp(prefix="concur-ws-probe-"))
+    except OSError as e:  # a full or missing temporary folder: say so, do not stop here
+        return WorkspaceBound("watch", limit, f"no probe workspace in {tempfile.gettempdir()}: {e}")
     try:
         return make_workspace(top / "probe", limit, fs)
     finally:

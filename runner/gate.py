@@ -26,8 +26,10 @@ States of an agent:
   policies read (runner/gate_order.py: the contexts' running totals, updated as they change),
   which is also the order waiters get slots in (the first of the paused, then of the
   pending). So a control period sorts nothing: `contexts()` is a view, resizing touches
-  only the agents it pauses or unmarks (the pause rules by context select from the active
-  agents: O(n), those two rules only). `bench/gate_bench.py` measures it with 10,000 agents.
+  only the agents it pauses, unmarks or lets in (the newest holders marked and the oldest
+  marked unmarked move as runs of whole blocks; the pause rules by context select from the
+  active agents: O(n), those two rules only). `bench/gate_bench.py` measures it with
+  10,000 agents.
 
 Two interfaces: `AdmissionGate` is what the agent loop and the batch use (a `Gate`, or the
 per-rank `RankedGate`); `ControlledGate` is what a controller steers (a `Gate`, or one rank's
@@ -292,7 +294,10 @@ class Gate:
             bound = len(self._agents) - self._n["done"] + self._coming()
         self._window = max(1, min(window, max(1, bound)))
         excess = self._n["active"] - self._window
-        if excess > 0:
+        if excess > 0 and self.pause_rule == "newest":
+            marked = self._shift(self._keep.active.take_last(excess), "marked")
+            self.counters.events += (("marked", a.key) for a in reversed(marked))
+        elif excess > 0:
             for a in self._pause_order(excess):
                 self._move(a, "marked")
                 self.counters.events.append(("marked", a.key))
@@ -399,14 +404,30 @@ class Gate:
         elif a.state == "pending":
             self._keep.pending.add(a, a.order)
 
+    def _shift(self, blocks: list[Block], state: str) -> list[_Agent]:
+        """Holders in `blocks` (taken from the active or the marked segment, in admission
+        order) become `state` (marked or active) and join that segment, as whole blocks
+        where their admissions do not interleave with its own (the common case: the newest
+        marked, the oldest unmarked). Both states hold a slot: no tool call changes."""
+        moved = [a for b in blocks for a in b.items]
+        for a in moved:
+            a.state = state
+        other = "active" if state == "marked" else "marked"
+        self._n[other] -= len(moved)
+        self._n[state] += len(moved)
+        seg = self._keep.active if state == "active" else self._keep.marked
+        if not seg.put(blocks):
+            for a in moved:
+                seg.add(a, a.admitted_seq)
+        return moved
+
     def _pause_order(self, excess: int) -> list[_Agent]:
-        """The `excess` active agents to mark, in the order the pause rule gives."""
+        """The `excess` active agents to mark by context, in the order the rule gives
+        (shortest or longest first; `resize` takes the newest admitted as a run)."""
         active = self._keep.active
         if self.pause_rule == "shortest":
             return heapq.nsmallest(excess, active, key=lambda a: (a.context, -a.admitted_seq))
-        if self.pause_rule == "longest":
-            return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
-        return active.last(excess)  # newest admitted first
+        return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
         if self.resume_rule == "longest":
@@ -420,27 +441,39 @@ class Gate:
     def _fill(self) -> None:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
-        if room > 0 and self._n["marked"]:
-            for m in self._keep.marked.first(room):  # oldest admitted first
-                self._move(m, "active")
-                self.counters.events.append(("unmarked", m.key))
+        if room > 0 and self._n["marked"]:  # oldest admitted first
+            unmarked = self._shift(self._keep.marked.take_first(room), "active")
+            self.counters.events += (("unmarked", a.key) for a in unmarked)
         # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
-        n, now = self._n, None
-        while n["active"] + n["marked"] < self._window:
-            a = self._next_waiter()
-            if a is None:
-                break
-            if now is None:  # one reading for all the agents let in at this instant
-                now = self._clock()
-            self._grant(a, now)
+        room = self._window - self._n["active"] - self._n["marked"]
+        if room > 0:
+            granted = self._next_waiters(room)
+            if granted:
+                now = self._clock()  # one reading for all the agents let in at this instant
+                for a in granted:
+                    self._grant(a, now)
 
-    def _next_waiter(self) -> _Agent | None:
-        """The next agent to get a slot: a paused one first, then a pending one."""
+    def _next_waiters(self, room: int) -> list[_Agent]:
+        """The next (at most) `room` agents to get a slot: paused ones first, then pending
+        ones. A run of them at the head of a segment is detached from it at once (their
+        removals then cost nothing: see `KeepOrder.remove`)."""
+        out: list[_Agent] = []
         for seg in (self._keep.paused, self._keep.pending):
-            for a in seg:  # a cancelled one leaves when its task runs on
+            run = True  # whether those taken so far are the segment's first members
+            taken = 0
+            for a in seg:
+                if len(out) == room:
+                    break
                 if a.waiter is not None and not a.waiter.done():
-                    return a
-        return None
+                    out.append(a)
+                    taken += 1
+                else:  # a cancelled one leaves when its task runs on
+                    run = False
+            if run and taken > 1:
+                seg.take_first(taken)
+            if len(out) == room:
+                break
+        return out
 
     def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":

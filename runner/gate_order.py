@@ -8,11 +8,13 @@ pending ones in task order).
 Each of those four segments is a sorted list of short blocks (the layout of sortedcontainers'
 SortedList), and every block keeps the sum of its agents' contexts and a lower bound of the
 smallest. An agent knows its block, so the gate's hot path (an admitted agent reporting its
-context between steps) updates one sum in O(1); entering or leaving a segment is O(log n + B);
-a query (the first k agents' total, how many fit a budget) accumulates the block sums in C,
-bisects, and accumulates the items of one block: O(n / B + B) C steps and O(log n) Python
-steps, no sort. SortedList itself keeps no per-block aggregate and gives no handle from an
-item to its block, which the O(1) hot path needs.
+context between steps) updates one sum in O(1); entering or leaving a segment is O(log n + B),
+and a run of k agents at a segment's head or tail changes segment as whole blocks (their
+blocks go with them: O(k / B + B)); a query (the first k agents' total, how many fit a
+budget) accumulates the block sums in C, bisects, and accumulates the items of one block:
+O(n / B + B) C steps and O(log n) Python steps, no sort. SortedList itself keeps no
+per-block aggregate and gives no handle from an item to its block, which the O(1) hot path
+needs.
 """
 
 from __future__ import annotations
@@ -114,33 +116,105 @@ class Segment:
         if len(b.keys) < LOAD // 2 and len(self.blocks) > 1:
             self._merge(i if i + 1 < len(self.blocks) else i - 1)
 
-    def first(self, k: int) -> list[Any]:
-        """The first k members, in order."""
-        out: list[Any] = []
-        for b in self.blocks:
-            if len(out) >= k:
-                break
-            out += b.items[: k - len(out)]
-        return out
-
-    def last(self, k: int) -> list[Any]:
-        """The last k members, last first."""
-        out: list[Any] = []
-        for b in reversed(self.blocks):
-            if len(out) >= k:
-                break
-            out += b.items[::-1][: k - len(out)]
-        return out
-
     def __iter__(self) -> Iterator[Any]:
         for b in self.blocks:
             yield from b.items
 
-    def _split(self, i: int) -> None:
+    def take_first(self, k: int) -> list[Block]:
+        """Detach the first k members (all of them if fewer), as whole blocks in key order:
+        their members keep their blocks and keys, so a run of agents changes segment in
+        O(k / B) block moves (`put`) instead of k removals and insertions."""
+        k = min(k, self.size)
+        if k <= 0:
+            return []
+        i, left = 0, k
+        while left >= len(self.blocks[i].keys):  # the whole blocks taken
+            left -= len(self.blocks[i].keys)
+            i += 1
+            if i == len(self.blocks):
+                break
+        if i < len(self.blocks) and left:  # the block the cut falls in: its head goes too
+            self._cut(i, left)
+            i += 1
+        out = self._detach(0, i, k)
+        self._coalesce(0, 1)  # what the cut left of its block
+        return out
+
+    def take_last(self, k: int) -> list[Block]:
+        """Detach the last k members (all of them if fewer), as whole blocks in key order
+        (see `take_first`)."""
+        k = min(k, self.size)
+        if k <= 0:
+            return []
+        i, left = len(self.blocks), k
+        while i and left >= len(self.blocks[i - 1].keys):
+            i -= 1
+            left -= len(self.blocks[i].keys)
+        if left:  # the block the cut falls in: its tail goes too
+            self._cut(i - 1, len(self.blocks[i - 1].keys) - left)
+        out = self._detach(i, len(self.blocks), k)
+        self._coalesce(len(self.blocks) - 1, len(self.blocks))
+        return out
+
+    def put(self, blocks: list[Block]) -> bool:
+        """Attach blocks detached from a segment (`take_first` / `take_last`), if all their
+        keys come before or after all of this one's: True; False (nothing done) if they would
+        interleave, and the caller adds the members one by one."""
+        if not blocks:
+            return True
+        first, last = blocks[0].keys[0], blocks[-1].keys[-1]
+        if self.blocks and not (first > self._maxes[-1] or last < self.blocks[0].keys[0]):
+            return False
+        for b in blocks:
+            b.segment = self
+            self.size += len(b.keys)
+        maxes = [b.keys[-1] for b in blocks]
+        if self.blocks and last < self.blocks[0].keys[0]:
+            self.blocks[:0], self._maxes[:0] = blocks, maxes
+            self._coalesce(0, len(blocks) + 1)  # the blocks put, and where they meet
+        else:
+            at = len(self.blocks)
+            self.blocks += blocks
+            self._maxes += maxes
+            self._coalesce(at - 1, len(self.blocks))
+        return True
+
+    def _coalesce(self, i: int, j: int) -> None:
+        """Blocks i..j-1 (clamped) under LOAD / 2 join their next block (the last one its
+        previous): only the small block's members change block, and a joined block above
+        2 x LOAD splits. Keeps runs moved by `take_*` and `put` from leaving a trail of tiny
+        blocks that every fit would walk."""
+        i = max(0, i)
+        while i < min(j, len(self.blocks)) and len(self.blocks) > 1:
+            b = self.blocks[i]
+            if len(b.keys) >= LOAD // 2:
+                i += 1
+                continue
+            last = i + 1 == len(self.blocks)
+            into = self.blocks[i - 1] if last else self.blocks[i + 1]
+            for a in b.items:
+                a.block = into
+            if last:  # appended to its previous block
+                into.items += b.items
+                into.keys += b.keys
+                self._maxes[i - 1] = b.keys[-1]
+            else:  # prepended to its next block (whose last key stays)
+                into.items[:0] = b.items
+                into.keys[:0] = b.keys
+            into.total += b.total
+            into.low = min(into.low, b.low)
+            del self.blocks[i], self._maxes[i]
+            j -= 1
+            at = i - 1 if last else i
+            if len(into.keys) > 2 * LOAD:
+                self._split(at)
+                j += 1
+
+    def _cut(self, i: int, at: int) -> None:
+        """Split block i after its first `at` members (0 < at < its size)."""
         b = self.blocks[i]
-        half = len(b.keys) // 2
-        right = Block(self, b.items[half:], b.keys[half:])
-        del b.items[half:], b.keys[half:]
+        right = Block(self, b.items[at:], b.keys[at:])
+        del b.items[at:], b.keys[at:]
         b.total -= right.total
         b.refresh_low()
         for a in right.items:
@@ -148,6 +222,18 @@ class Segment:
         self.blocks.insert(i + 1, right)
         self._maxes[i] = b.keys[-1]
         self._maxes.insert(i + 1, right.keys[-1])
+
+    def _detach(self, i: int, j: int, k: int) -> list[Block]:
+        """Take blocks i..j-1 (k members in all) out of this segment."""
+        out = self.blocks[i:j]
+        del self.blocks[i:j], self._maxes[i:j]
+        self.size -= k
+        for b in out:
+            b.segment = None
+        return out
+
+    def _split(self, i: int) -> None:
+        self._cut(i, len(self.blocks[i].keys) // 2)
 
     def _merge(self, i: int) -> None:
         """Merge block i+1 into block i (then split again if that is too large)."""

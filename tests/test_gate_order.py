@@ -186,3 +186,67 @@ async def test_fit_takes_the_clamp_only_where_a_context_is_below_the_shared_pref
             view.fit(1.0, -0.5)
 
     await main()
+
+
+class _Member:
+    def __init__(self, context: int) -> None:
+        self.context = context
+        self.block = gate_order.UNPLACED
+        self.sort_key = None
+
+
+def check_segment(seg: gate_order.Segment, model: list) -> None:
+    """`seg` holds exactly `model`'s (key, member) pairs in key order, with its blocks'
+    sums and bounds right, and no block outside [LOAD / 2, 2 x LOAD] unless it is alone."""
+    assert [(k, a) for b in seg.blocks for k, a in zip(b.keys, b.items, strict=True)] == model
+    assert seg.size == len(model) and seg._maxes == [b.keys[-1] for b in seg.blocks]
+    for b in seg.blocks:
+        assert b.segment is seg and all(a.block is b for a in b.items)
+        assert b.total == sum(a.context for a in b.items)
+        assert b.low <= min(a.context for a in b.items)
+        assert len(b.keys) <= 2 * gate_order.LOAD
+        assert len(seg.blocks) == 1 or len(b.keys) >= gate_order.LOAD // 2
+
+
+@pytest.mark.parametrize("load", [1, 4, 8])
+def test_runs_taken_from_a_segment_and_put_in_another_keep_both_in_order(monkeypatch, load):
+    # the gate marks the newest holders and unmarks the oldest marked ones as runs (whole
+    # blocks); where a run would interleave with the other segment's keys, `put` refuses
+    # and the members are added one by one
+    monkeypatch.setattr(gate_order, "LOAD", load)
+    rng = random.Random(load)
+    segs = (gate_order.Segment(), gate_order.Segment())
+    models: tuple[list, list] = ([], [])
+    keys = rng.sample(range(10_000), 400)
+    for k in keys[:300]:
+        a = _Member(rng.randint(0, 5000))
+        side = rng.randrange(2)
+        segs[side].add(a, k)
+        models[side].append((k, a))
+    for m in models:
+        m.sort()
+    for _ in range(400):
+        src = rng.randrange(2)
+        seg, dst, model = segs[src], segs[1 - src], models[src]
+        k = rng.choice([0, 1, 2, rng.randint(0, 40), len(model), len(model) + 3])
+        first = rng.random() < 0.5
+        blocks = seg.take_first(k) if first else seg.take_last(k)
+        k = min(k, len(model))
+        run = model[:k] if first else model[len(model) - k :]
+        model[:] = model[k:] if first else model[: len(model) - k]
+        assert [(key, a) for b in blocks for key, a in zip(b.keys, b.items, strict=True)] == run
+        assert all(b.segment is None for b in blocks)
+        keys_dst = [key for key, _ in models[1 - src]]
+        interleaves = bool(run and keys_dst) and not (
+            run[0][0] > keys_dst[-1] or run[-1][0] < keys_dst[0]
+        )
+        assert dst.put(blocks) is not interleaves
+        if interleaves:
+            for key, a in run:
+                dst.add(a, key)
+        models[1 - src][:] = sorted(models[1 - src] + run)
+        if rng.random() < 0.3 and model:  # single removals in between, as the gate does
+            key, a = model.pop(rng.randrange(len(model)))
+            seg.remove(a)
+        check_segment(segs[0], models[0])
+        check_segment(segs[1], models[1])

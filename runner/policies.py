@@ -12,6 +12,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import operator
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -594,9 +595,8 @@ def _fit_dropping(
     fit = contexts.fitter(extra, shared)
     if not held:
         return fit(budget)
-    dropped = [p for p, _ in held]
-    terms = (max(c, shared) - shared + extra for _, c in held)
-    lift = list(itertools.accumulate(terms, initial=0.0))  # lift[j]: the first j dropped
+    dropped = list(map(operator.itemgetter(0), held))
+    lift = list(itertools.accumulate(_dropped_terms(held, extra, shared), initial=0.0))
     counts: dict[int, int] = {}  # fit(budget + lift[j]) by j: the last probe is often the answer
 
     def fit_past(j: int) -> int:
@@ -609,6 +609,19 @@ def _fit_dropping(
     low = dropped[j - 1] + 1 if j else 0
     high = dropped[j] if j < len(dropped) else len(contexts)
     return min(max(fit_past(j), low), high)
+
+
+def _dropped_terms(held: list[tuple[int, int]], extra: float, shared: int) -> Iterator[float]:
+    """Each dropped holder's term, max(c, shared) - shared + extra, mapped in C: where no
+    context is below `shared`, max(c, shared) - shared is the int c - shared (the same
+    value; builtin max called per element would cost more than the rest)."""
+    contexts = list(map(operator.itemgetter(1), held))
+    floored: Iterator[int]
+    if contexts and min(contexts) >= shared:
+        floored = map(operator.sub, contexts, itertools.repeat(shared))
+    else:
+        floored = (max(c, shared) - shared for c in contexts)
+    return map(operator.add, floored, itertools.repeat(extra))
 
 
 # Registered policies by name. A policy's parameters are its dataclass fields; a new policy

@@ -25,7 +25,7 @@ import math
 import operator
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 LOAD = 128  # block size: blocks split above 2 x LOAD and merge below LOAD / 2
@@ -211,17 +211,24 @@ class Segment:
                 j += 1
 
     def _cut(self, i: int, at: int) -> None:
-        """Split block i after its first `at` members (0 < at < its size)."""
+        """Split block i after its first `at` members (0 < at < its size). The smaller side
+        becomes the new block (its members change block, and its sum and bound are
+        computed); the other keeps its block, and its bound, still below its members."""
         b = self.blocks[i]
-        right = Block(self, b.items[at:], b.keys[at:])
-        del b.items[at:], b.keys[at:]
-        b.total -= right.total
-        b.refresh_low()
-        for a in right.items:
-            a.block = right
-        self.blocks.insert(i + 1, right)
-        self._maxes[i] = b.keys[-1]
-        self._maxes.insert(i + 1, right.keys[-1])
+        if at <= len(b.keys) // 2:  # the head leaves
+            part = Block(self, b.items[:at], b.keys[:at])
+            del b.items[:at], b.keys[:at]
+            self.blocks.insert(i, part)
+            self._maxes.insert(i, part.keys[-1])
+        else:  # the tail leaves
+            part = Block(self, b.items[at:], b.keys[at:])
+            del b.items[at:], b.keys[at:]
+            self.blocks.insert(i + 1, part)
+            self._maxes[i] = b.keys[-1]
+            self._maxes.insert(i + 1, part.keys[-1])
+        b.total -= part.total
+        for a in part.items:
+            a.block = part
 
     def _detach(self, i: int, j: int, k: int) -> list[Block]:
         """Take blocks i..j-1 (k members in all) out of this segment."""
@@ -234,6 +241,7 @@ class Segment:
 
     def _split(self, i: int) -> None:
         self._cut(i, len(self.blocks[i].keys) // 2)
+        self.blocks[i + 1].refresh_low()  # the half that kept its block (and its old bound)
 
     def _merge(self, i: int) -> None:
         """Merge block i+1 into block i (then split again if that is too large)."""
@@ -325,7 +333,7 @@ class _Fit:
 
     def __init__(self, blocks: list[Block], extra: float, shared: int) -> None:
         self._blocks, self._shared = blocks, shared
-        self._per = per = extra - shared  # each term is max(context, shared) + per
+        self._per = extra - shared  # each term is max(context, shared) + per
         if not blocks:
             return
         if min(map(_low, blocks)) >= shared:
@@ -333,36 +341,28 @@ class _Fit:
         else:  # some bound is below the shared prefix: such blocks sum max(context, shared)
             self._sums = list(itertools.accumulate(_floored(b, shared) for b in blocks))
         self._ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
-        # what each budget is held against, computed once for all (in C): the total of the
-        # first whole blocks, sums[j] + ks[j] x per (the running sums grow monotonically)
-        self._at = _plus_times(self._sums, self._ks, per)
-        self._inner: dict[int, list[float]] = {}  # the same within a block, once walked
+        self._inner: dict[int, list[int]] = {}  # a block's running sums, once walked
 
     def __call__(self, budget: float) -> int:
-        blocks = self._blocks
+        blocks, per = self._blocks, self._per
         if not blocks or budget < 0:
             return 0
-        # the whole blocks within the budget
-        j = bisect.bisect_right(self._at, budget)
+        sums, ks = self._sums, self._ks
+        # the whole blocks within the budget (the running sums grow monotonically)
+        j = bisect.bisect_right(range(len(blocks)), budget, key=lambda j: sums[j] + ks[j] * per)
         if j == len(blocks):
-            return self._ks[-1]
+            return ks[-1]
         # in that block, the prefixes within the budget, the same way
-        k = self._ks[j - 1] if j else 0
+        k = ks[j - 1] if j else 0
         inner = self._inner.get(j)
         if inner is None:
             b, shared = blocks[j], self._shared
             values = map(_context, b.items) if b.low >= shared else _floor(b.items, shared)
-            sums = itertools.accumulate(values, initial=self._sums[j - 1] if j else 0)
-            next(sums)  # the total before the block: a prefix of k, already counted
-            inner = _plus_times(sums, range(k + 1, k + 1 + len(b.keys)), self._per)
+            inner = list(itertools.accumulate(values, initial=sums[j - 1] if j else 0))
             self._inner[j] = inner
-        return k + bisect.bisect_right(inner, budget)
-
-
-def _plus_times(sums: Iterable[int], counts: Iterable[int], per: float) -> list[float]:
-    """sums[i] + counts[i] x per for each i (the float operations `fit` compares budgets
-    with, element by element, in C)."""
-    return list(map(operator.add, sums, map(operator.mul, counts, itertools.repeat(per))))
+        return k + bisect.bisect_right(
+            range(1, len(inner)), budget, key=lambda i: inner[i] + (k + i) * per
+        )
 
 
 _block = operator.attrgetter("block")

@@ -15,6 +15,7 @@ import math
 import operator
 import types
 import typing
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Protocol
@@ -455,9 +456,16 @@ class _RemainingTime:
 
     def __init__(self, ascending: Sequence[float]) -> None:
         self._np = np = _numpy()
-        self._d = np.asarray(ascending, dtype=np.float64)
-        # suffix[i]: the durations from i on, summed from the largest down (one running sum)
-        self._suffix = np.append(np.cumsum(self._d[::-1])[::-1], 0.0)
+        if isinstance(ascending, array):  # the gate's view hands a copy: read it in place
+            self._d = d = np.frombuffer(ascending, dtype=np.float64)
+        else:
+            self._d = d = np.asarray(ascending, dtype=np.float64)
+        # suffix[i]: the durations from i on, summed from the largest down (one running sum,
+        # written backwards into place), and 0 past the last
+        m = len(d)
+        self._suffix = suffix = np.zeros(m + 1)
+        if m:
+            np.cumsum(d[::-1], out=suffix[m - 1 :: -1])
 
     def expected(self, spent: float) -> float:
         i = int(self._np.searchsorted(self._d, spent, side="right"))
@@ -470,10 +478,11 @@ class _RemainingTime:
             return 0.0
         # just past d[j] (the last of equal durations): the calls longer than it
         longer = np.arange(m - 1, 0, -1)
-        above = (_mean_excess(suffix[1:m], longer, d[:-1]) > x) & (d[1:] != d[:-1])
-        first = np.flatnonzero(above)
-        if first.size:
-            return float(d[first[0]])
+        above = _mean_excess(suffix[1:m], longer, d[:-1]) > x
+        above &= d[1:] != d[:-1]
+        first = int(above.argmax()) if m > 1 else 0  # the first True (0 if none)
+        if m > 1 and above[first]:
+            return float(d[first])
         # beyond every finished call the expected remainder is the time spent
         if m and d[-1] > x:
             return float(d[-1])

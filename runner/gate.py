@@ -60,6 +60,9 @@ RESUME_RULES: dict[str, str] = {
     "shortest": "resume the agent with the shortest context first",
 }
 HOLDING = ("active", "marked")
+# a run of at least this many holders marked or unmarked at once moves as whole blocks; a
+# shorter one moves agent by agent (cheaper than cutting and joining blocks)
+RUN = 16
 TOOL_DURATIONS_KEPT = 1000  # the latest tool calls a policy sees (Signals.tool_durations)
 Unit = Literal["agent", "request"]
 
@@ -294,7 +297,7 @@ class Gate:
             bound = len(self._agents) - self._n["done"] + self._coming()
         self._window = max(1, min(window, max(1, bound)))
         excess = self._n["active"] - self._window
-        if excess > 0 and self.pause_rule == "newest":
+        if excess >= RUN and self.pause_rule == "newest":
             marked = self._shift(self._keep.active.take_last(excess), "marked")
             self.counters.events += (("marked", a.key) for a in reversed(marked))
         elif excess > 0:
@@ -422,12 +425,14 @@ class Gate:
         return moved
 
     def _pause_order(self, excess: int) -> list[_Agent]:
-        """The `excess` active agents to mark by context, in the order the rule gives
-        (shortest or longest first; `resize` takes the newest admitted as a run)."""
+        """The `excess` active agents to mark, in the order the pause rule gives (`resize`
+        takes a run of RUN or more of the newest admitted as whole blocks instead)."""
         active = self._keep.active
         if self.pause_rule == "shortest":
             return heapq.nsmallest(excess, active, key=lambda a: (a.context, -a.admitted_seq))
-        return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
+        if self.pause_rule == "longest":
+            return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
+        return active.last(excess)  # newest admitted first
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
         if self.resume_rule == "longest":
@@ -441,9 +446,13 @@ class Gate:
     def _fill(self) -> None:
         # 1. unmark first: cheapest to keep going, their KV is still warm
         room = self._window - self._n["active"]
-        if room > 0 and self._n["marked"]:  # oldest admitted first
+        if room >= RUN and self._n["marked"] >= RUN:  # oldest admitted first, as a run
             unmarked = self._shift(self._keep.marked.take_first(room), "active")
             self.counters.events += (("unmarked", a.key) for a in unmarked)
+        elif room > 0 and self._n["marked"]:
+            for m in self._keep.marked.first(room):
+                self._move(m, "active")
+                self.counters.events.append(("unmarked", m.key))
         # 2. resume paused agents waiting at a boundary, then 3. admit pending ones
         room = self._window - self._n["active"] - self._n["marked"]
         if room > 0:
@@ -469,7 +478,7 @@ class Gate:
                     taken += 1
                 else:  # a cancelled one leaves when its task runs on
                     run = False
-            if run and taken > 1:
+            if run and taken >= RUN:
                 seg.take_first(taken)
             if len(out) == room:
                 break

@@ -116,6 +116,24 @@ class Segment:
         if len(b.keys) < LOAD // 2 and len(self.blocks) > 1:
             self._merge(i if i + 1 < len(self.blocks) else i - 1)
 
+    def first(self, k: int) -> list[Any]:
+        """The first k members, in order."""
+        out: list[Any] = []
+        for b in self.blocks:
+            if len(out) >= k:
+                break
+            out += b.items[: k - len(out)]
+        return out
+
+    def last(self, k: int) -> list[Any]:
+        """The last k members, last first."""
+        out: list[Any] = []
+        for b in reversed(self.blocks):
+            if len(out) >= k:
+                break
+            out += b.items[::-1][: k - len(out)]
+        return out
+
     def __iter__(self) -> Iterator[Any]:
         for b in self.blocks:
             yield from b.items
@@ -451,12 +469,15 @@ class ToolsView:
                 at += len(b.keys)
         # each one's place: its block's start plus its place in the block (mapped in C)
         places = map(bisect.bisect_left, map(_block_keys, past), map(_sort_key, past))
-        where = list(map(operator.add, map(starts.__getitem__, map(_block, past)), places))
-        # by position: the positions are distinct ints, and sorting indices by them (int
-        # comparisons) is about twice as fast as sorting the pairs
-        order = sorted(range(len(past)), key=where.__getitem__)
+        where = map(operator.add, map(starts.__getitem__, map(_block, past)), places)
+        if len(past) < 200:
+            return sorted(zip(where, map(_context, past), strict=True))
+        # by position: the positions are distinct ints, and sorting many indices by them (int
+        # comparisons) is faster than sorting the pairs
+        at_place = list(where)
+        order = sorted(range(len(past)), key=at_place.__getitem__)
         contexts = list(map(_context, past))
-        by_place = map(where.__getitem__, order), map(contexts.__getitem__, order)
+        by_place = map(at_place.__getitem__, order), map(contexts.__getitem__, order)
         return list(zip(*by_place, strict=True))
 
 

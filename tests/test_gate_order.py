@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from runner import gate as gate_module
 from runner import gate_order
 from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
 from runner.policies import ContextList, ToolList
@@ -152,9 +153,13 @@ def tool_signals(gate, new: bool, held: tuple[int, ...]) -> tuple:
     return tuple(tools.durations()), past
 
 
-@pytest.mark.parametrize(("load", "sequences"), [(1, 400), (4, 800), (128, 400)])
-async def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, sequences):
+@pytest.mark.parametrize(
+    ("load", "run", "sequences"), [(1, 1, 400), (4, 1, 600), (4, 3, 300), (128, 16, 400)]
+)
+async def test_keep_order_makes_the_same_decisions_as_sorting(monkeypatch, load, run, sequences):
+    # run: the fewest agents that move as whole blocks (1: every move of two or more)
     monkeypatch.setattr(gate_order, "LOAD", load)
+    monkeypatch.setattr(gate_module, "RUN", run)
 
     async def main():
         for seed in range(sequences):
@@ -250,3 +255,28 @@ def test_runs_taken_from_a_segment_and_put_in_another_keep_both_in_order(monkeyp
             seg.remove(a)
         check_segment(segs[0], models[0])
         check_segment(segs[1], models[1])
+
+
+async def test_many_holders_past_a_time_in_a_call_come_in_place_order():
+    # with hundreds of holders past the time, held_past orders them another way (by their
+    # places as ints): the same pairs as the plain list over the holders in order
+    rng, now = random.Random(5), [0.0]
+    gate = Gate(400, clock=lambda: now[0])
+    keys = [f"a{i}" for i in range(600)]
+    tasks = [asyncio.ensure_future(gate.acquire(k, rng.randint(100, 30_000))) for k in keys]
+    await asyncio.sleep(0)
+    for k in rng.sample(keys[:400], 330):
+        gate.done_request(k)
+        now[0] += rng.choice([0.0, 0.01, 0.02])
+    gate.resize(350)  # 50 holders marked: they come after the active ones
+    now[0] += 10.0
+    holders = [*gate._keep.active, *gate._keep.marked]
+    seconds = tuple(0.0 if a.tool_since is None else now[0] - a.tool_since for a in holders)
+    plain = ToolList(seconds, (), tuple(a.context for a in holders))
+    view = gate.tools()
+    for x in (0.0, 5.0, 10.0, 11.0, 14.0):
+        assert view.held_past(x) == plain.held_past(x), x
+    assert len(view.held_past(0.0)) == 330
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -47,6 +47,26 @@ class ControlStats:
     last: dict[str, Any] = field(default_factory=dict)  # the latest control line (progress)
 
 
+def _by_kind(events: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """The period's agents admitted, paused (marked or paused) and resumed (resumed or
+    unmarked), in the order they happened: one pass (a period may resize by thousands)."""
+    admitted: list[str] = []
+    paused: list[str] = []
+    resumed: list[str] = []
+    add = {
+        "admitted": admitted.append,
+        "marked": paused.append,
+        "paused": paused.append,
+        "resumed": resumed.append,
+        "unmarked": resumed.append,
+    }
+    for what, key in events:
+        put = add.get(what)
+        if put is not None:
+            put(key)
+    return {"admitted": admitted, "paused_ids": paused, "resumed": resumed}
+
+
 class Controller:
     def __init__(
         self,
@@ -134,9 +154,7 @@ class Controller:
             "recompute": None if sig.recompute_rate is None else round(sig.recompute_rate, 4),
             "requests": tally.requests,
             **{k: c[k] for k in ("active", "paused", "pending", "finished")},
-            "admitted": [k for e, k in events if e == "admitted"],
-            "paused_ids": [k for e, k in events if e in ("marked", "paused")],
-            "resumed": [k for e, k in events if e in ("resumed", "unmarked")],
+            **_by_kind(events),
         }
         self.stats.windows.append(after)
         self.stats.periods += 1

@@ -332,3 +332,20 @@ def test_contexts_and_growth_signals(tmp_path):
     line, _ctl = run_virtual(main())
     assert line["recompute"] == round(350 / 1720, 4)
     assert line["branch"] == "fit"
+
+
+async def test_a_control_line_lists_the_agents_admitted_paused_and_resumed_in_order():
+    gate = Gate(4)
+    for k in ("a0", "a1", "a2", "a3"):
+        await gate.acquire(k, 1000)
+    ctl = Controller(gate, make_policy("agent-cap:2"), lambda: CacheStats(0.1), 1.0, lambda: 0.0)
+    line = ctl.step()  # marks the two admitted last, newest first
+    assert line["admitted"] == ["a0", "a1", "a2", "a3"]
+    assert (line["paused_ids"], line["resumed"]) == (["a3", "a2"], [])
+    # a3 reaches its step boundary: it pauses there (listed in the next line) and waits
+    waiting = asyncio.ensure_future(gate.acquire("a3", 1200))
+    await asyncio.sleep(0)
+    ctl.policy = make_policy("agent-cap:4")
+    line = ctl.step()  # unmarks a2, resumes a3
+    assert (line["admitted"], line["paused_ids"], line["resumed"]) == ([], ["a3"], ["a2", "a3"])
+    await waiting

@@ -62,15 +62,24 @@ def cpu() -> float:
     return time.thread_time()
 
 
-def timed_periods(ctl: Controller, periods: int, before: Callable[[], None]) -> list[float]:
-    """Seconds of each of `periods` control steps (`before` runs untimed ahead of each)."""
-    out = []
+def timed_periods(
+    ctl: Controller, periods: int, before: Callable[[], None]
+) -> tuple[list[float], float]:
+    """Seconds of each of `periods` control steps (`before` runs untimed ahead of each), and
+    the agents a period moved, on average (what the mean includes beyond the median)."""
+    out, moved = [], 0
     for _ in range(periods):
         before()
         t = cpu()
         ctl.step()
         out.append(cpu() - t)
-    return out
+        moved += _moved(ctl.stats.last)
+    return out, moved / periods
+
+
+def _moved(line: dict[str, Any]) -> int:
+    """The agents a period's control line admitted, marked or paused, and resumed."""
+    return len(line["admitted"]) + len(line["paused_ids"]) + len(line["resumed"])
 
 
 def _named(name: str, seconds: list[float]) -> dict[str, float]:
@@ -139,8 +148,7 @@ async def wset_periods(n: int, periods: int) -> dict[str, float]:
         t = cpu()
         ctl.step()
         spent.append(cpu() - t)
-        line = ctl.stats.last  # the agents this period marked, paused, resumed, admitted
-        moved += len(line["admitted"]) + len(line["paused_ids"]) + len(line["resumed"])
+        moved += _moved(ctl.stats.last)  # the agents it marked, paused, resumed, admitted
         await asyncio.sleep(0)
     for task in [*tasks, *stepping.values()]:
         task.cancel()
@@ -181,7 +189,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     per_token = 20.0 / capacity  # the break-even: capacity x per_token = 20 s
     stats = CacheStats(0.3, capacity, recompute_token_seconds=per_token)
     ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0)
-    spent, dropped = [], 0
+    spent, dropped, moved = [], 0, 0
     policy_s = 0.0
     for _ in range(periods):
         back = rng.sample(sorted(in_tool), 100)
@@ -197,6 +205,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
         t = cpu()
         ctl.step()
         spent.append(cpu() - t)
+        moved += _moved(ctl.stats.last)
         tools, after = _tool_signals(gate, capacity * per_token)
         dropped += (
             len(tools.held_past(after))
@@ -217,6 +226,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     await asyncio.gather(*tasks, return_exceptions=True)
     return {
         **_named("control_update_wset2_tools", spent),
+        "control_update_wset2_tools_agents_per_period": moved / periods,
         "wset2_policy_update_us": policy_s / periods * 1e6,
         "wset2_holders_dropped_per_period": dropped / periods,
     }
@@ -260,11 +270,11 @@ async def gate_costs(n: int) -> dict[str, float]:
     usage = [0.1, 0.3, 0.7, 0.7]  # grow, hold, cut (with low H), cut
     ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0)
     periods = 200
-    control = timed_periods(ctl, periods, lambda: ctl.record(1000, 100))
+    control, control_moved = timed_periods(ctl, periods, lambda: ctl.record(1000, 100))
 
     # the same with wset, which reads every agent's context each period
     ws = Controller(gate, WorkingSet(), lambda: CacheStats(0.3, 10_000_000), 1.0)
-    control_wset = timed_periods(ws, periods, lambda: ws.record(1000, 100))
+    control_wset, _ = timed_periods(ws, periods, lambda: ws.record(1000, 100))
 
     # pause + resume cycle: shrink to half (marks n/2), they reach a boundary and wait,
     # then grow back (resumes n/2)
@@ -289,6 +299,7 @@ async def gate_costs(n: int) -> dict[str, float]:
         "admit_waiting_agent_us": admit_us,
         "pause_resume_cycle_us_per_agent": cycle_us,
         **_named("control_update", control),
+        "control_update_agents_per_period": control_moved,
         **_named("control_update_wset", control_wset),
         **await wset_periods(n, periods),
         **await wset2_periods(n, periods),
@@ -375,6 +386,11 @@ def main() -> None:
     med = {
         side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()
     }
+    # the fastest and the slowest repeat of each figure: how much the machine's load moved it
+    spread = {
+        side: {k: [min(r[k] for r in rs), max(r[k] for r in rs)] for k in rs[0]}
+        for side, rs in runs.items()
+    }
     gate = med["current"]
     engine = None if args.no_engine else asyncio.run(engine_step_seconds())
     steps = deployment_steps()
@@ -403,9 +419,14 @@ def main() -> None:
         f"one engine step of the simulated deployments: {fastest:.0f} us at the fastest "
         f"(Qwen TP8, 1 request at 1K), {mid:.0f} us mid-run (64 requests at 16K)"
     )
+    mids = {k.removesuffix("_decode_64x16k_us"): v for k, v in steps.items() if "64x16k" in k}
     shares = {}
     for k in PERIODS:
-        shares[k] = {"fastest_step": gate[k] / fastest, "mid_run_step": gate[k] / mid}
+        shares[k] = {
+            "fastest_step": gate[k] / fastest,
+            "mid_run_step": gate[k] / mid,  # Qwen TP8's: the shortest mid-run step of them
+            "mid_run_step_by_deployment": {name: gate[k] / us for name, us in mids.items()},
+        }
         print(f"  {k:44s} = {gate[k] / fastest:.2%} of the fastest, {gate[k] / mid:.2%} mid-run")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / args.out
@@ -413,7 +434,12 @@ def main() -> None:
         "agents": args.agents,
         "repeats": args.repeats,
         "gate_us": gate,
-        **({"baseline": {"ref": args.baseline, "gate_us": base}} if base else {}),
+        "gate_us_spread": spread["current"],  # [fastest, slowest] repeat
+        **(
+            {"baseline": {"ref": args.baseline, "gate_us": base, "spread": spread["baseline"]}}
+            if base
+            else {}
+        ),
         "engine": engine,
         "deployment_step_us": steps,
         "share_of_step": shares,

@@ -470,15 +470,7 @@ class ToolsView:
         # each one's place: its block's start plus its place in the block (mapped in C)
         places = map(bisect.bisect_left, map(_block_keys, past), map(_sort_key, past))
         where = map(operator.add, map(starts.__getitem__, map(_block, past)), places)
-        if len(past) < 200:
-            return sorted(zip(where, map(_context, past), strict=True))
-        # by position: the positions are distinct ints, and sorting many indices by them (int
-        # comparisons) is faster than sorting the pairs
-        at_place = list(where)
-        order = sorted(range(len(past)), key=at_place.__getitem__)
-        contexts = list(map(_context, past))
-        by_place = map(at_place.__getitem__, order), map(contexts.__getitem__, order)
-        return list(zip(*by_place, strict=True))
+        return sorted(zip(where, map(_context, past), strict=True))
 
 
 def _since(a: Any) -> float:

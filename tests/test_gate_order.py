@@ -258,8 +258,8 @@ def test_runs_taken_from_a_segment_and_put_in_another_keep_both_in_order(monkeyp
 
 
 async def test_many_holders_past_a_time_in_a_call_come_in_place_order():
-    # with hundreds of holders past the time, held_past orders them another way (by their
-    # places as ints): the same pairs as the plain list over the holders in order
+    # hundreds of holders past the time, some of them marked: the same pairs, in the same
+    # order, as the plain list over the holders in order
     rng, now = random.Random(5), [0.0]
     gate = Gate(400, clock=lambda: now[0])
     keys = [f"a{i}" for i in range(600)]

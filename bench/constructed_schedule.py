@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.engine import SamplingParams  # noqa: E402
+from runner.engines.chatml_tokenizer import ChatMLTokenizer  # noqa: E402
 from runner.sim.engine import CostModel, SimEngine, make_sim_engine  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
 from runner.sim.oracle import _totals, lower_bound  # noqa: E402
@@ -36,19 +36,9 @@ from runner.sim.workload import Workload, synthetic  # noqa: E402
 
 DEPLOYMENT, WORKLOAD, MEMORY_X = "qwen3-32b-tp8", "paper", 8
 SCHEDULES: list[tuple[int, int] | None] = [None, (20, 10), (40, 20), (60, 30)]
-EOS = 0
-
-
-class _Tokens:
-    """The engine's Tokenizer interface: only the EOS id and (unused) decoding matter."""
-
-    eos_ids = frozenset({EOS})
-
-    def encode(self, text: str) -> list[int]:
-        return []
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return ""
+TOKENS = ChatMLTokenizer()  # the engine only uses its EOS id here
+EOS = min(TOKENS.eos_ids)
+FIRST_ID = 10**7  # fresh ids from here (none is an EOS id): each agent's tokens its own
 
 
 @dataclass
@@ -61,7 +51,7 @@ def _simulate(w: Workload, opts: dict[str, Any], critical: tuple[int, int] | Non
     chains = _totals(w, CostModel(sim_deployment(DEPLOYMENT, **opts))).chains
     longest = sorted(range(len(w.agents)), key=lambda a: -chains[a])
     top = set(longest[: critical[0]]) if critical else set()
-    fresh = itertools.count(10**7)  # token ids unique to one agent's context
+    fresh = itertools.count(FIRST_ID)  # token ids unique to one agent's context
     system = list(range(1, w.system_tokens + 1))
     outputs: list[list[int]] = []  # the next request's output, handed to the model double
     sampling = SamplingParams(max_new_tokens=4096)
@@ -89,7 +79,7 @@ def _simulate(w: Workload, opts: dict[str, Any], critical: tuple[int, int] | Non
 
     async def run() -> _Run:
         loop = asyncio.get_running_loop()
-        engine = make_sim_engine(DEPLOYMENT, _Tokens(), lambda _: outputs.pop(), **opts)
+        engine = make_sim_engine(DEPLOYMENT, TOKENS, lambda _: outputs.pop(), **opts)
         in_flight: set[int] = set()
         cond = asyncio.Condition()
         start = loop.time()
@@ -106,7 +96,7 @@ def _simulate(w: Workload, opts: dict[str, Any], critical: tuple[int, int] | Non
 def main() -> int:
     w = synthetic(WORKLOAD, seed=0)
     gpu = sim_deployment(DEPLOYMENT).gpu
-    opts = {"gpu": replace(gpu, memory_bytes=gpu.memory_bytes * MEMORY_X)}
+    opts: dict[str, Any] = {"gpu": replace(gpu, memory_bytes=gpu.memory_bytes * MEMORY_X)}
     bound = lower_bound(w, DEPLOYMENT, **opts)["bound_seconds"]
     pool = sim_deployment(DEPLOYMENT, **opts).pool_tokens
     out = ["# Constructed schedules against the lower bound", ""]

@@ -1,17 +1,21 @@
-"""How far below the uncontrolled engine a schedule can go: an upper estimate of the optimum.
+"""How far below the policies a schedule can go: upper estimates of the optimum.
 
-    python bench/constructed_schedule.py   # ~1 minute; writes bench/results/constructed_schedule.md
+    python bench/constructed_schedule.py  # ~2 min; bench/results/constructed_schedule.md
 
 Drives `SimEngine` directly (no runner: no gate, no chat template, so prompts are exactly the
-workload's tokens) on Qwen3-32B TP8, the paper workload (seed 0), with 8x the GPU memory so
-that the pool never binds, under two schedules:
+workload's tokens) on Qwen3-32B TP8, the paper workload (seed 0), under clairvoyant schedules
+(they know every agent's chain and final context):
 - `greedy`: every agent sends its next request as soon as its tool returns;
-- `critical K/J`: clairvoyant (it knows every agent's chain): the K agents with the longest
-  chains never wait; any other agent's next request waits while more than J of those K are in
-  flight, so its prefill joins theirs and its decode rides with them.
-Each figure is a schedule the simulated engine ran, so the optimum is at most the fastest;
-the oracle's bound (runner/sim/oracle.py) is at most the optimum. Together they bracket how
-much any tighter bound could add there (docs/simulator.md, "The oracle lower bound").
+- `critical K/J`: the K agents with the longest chains never wait; any other agent's next
+  request waits while more than J of those K are in flight, so its prefill joins theirs and
+  its decode rides with them;
+- `packed beta`: agents start in order of their chains, longest first, while the private
+  final contexts of the started and unfinished ones fit beta x the pool; once started an
+  agent runs greedily to its end (beta 1: nothing is ever evicted).
+The first two run with 8x the GPU memory (pool 18M tokens: memory never binds), `packed` on
+the real pool. Each figure is a schedule the simulated engine ran, so the optimum is at most
+the fastest; the oracle's bound (runner/sim/oracle.py) is at most the optimum. Together they
+bracket how much any tighter bound could add (docs/simulator.md, "The oracle lower bound").
 """
 
 from __future__ import annotations
@@ -34,11 +38,32 @@ from runner.sim.oracle import _totals, lower_bound  # noqa: E402
 from runner.sim.vclock import run_virtual  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
-DEPLOYMENT, WORKLOAD, MEMORY_X = "qwen3-32b-tp8", "paper", 8
-SCHEDULES: list[tuple[int, int] | None] = [None, (20, 10), (40, 20), (60, 30)]
+DEPLOYMENT, WORKLOAD = "qwen3-32b-tp8", "paper"
 TOKENS = ChatMLTokenizer()  # the engine only uses its EOS id here
 EOS = min(TOKENS.eos_ids)
 FIRST_ID = 10**7  # fresh ids from here (none is an EOS id): each agent's tokens its own
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str  # "greedy", "critical" or "packed"
+    memory_x: int = 1  # GPU memory multiplier
+    top: int = 0  # critical: K
+    most: int = 0  # critical: J
+    beta: float = 1.0  # packed
+
+    @property
+    def name(self) -> str:
+        if self.kind == "critical":
+            return f"critical {self.top}/{self.most}"
+        return f"packed {self.beta}" if self.kind == "packed" else self.kind
+
+
+SCHEDULES = [
+    Schedule("greedy", memory_x=8),
+    *(Schedule("critical", memory_x=8, top=k, most=j) for k, j in ((20, 10), (40, 20), (60, 30))),
+    *(Schedule("packed", beta=b) for b in (1.0, 1.1, 1.2)),
+]
 
 
 @dataclass
@@ -47,45 +72,81 @@ class _Run:
     stats: dict[str, Any]
 
 
-def _simulate(w: Workload, opts: dict[str, Any], critical: tuple[int, int] | None) -> _Run:
-    chains = _totals(w, CostModel(sim_deployment(DEPLOYMENT, **opts))).chains
-    longest = sorted(range(len(w.agents)), key=lambda a: -chains[a])
-    top = set(longest[: critical[0]]) if critical else set()
+class _Gate:
+    """Who may send a request now, under a schedule."""
+
+    def __init__(self, w: Workload, s: Schedule, chains: list[float], pool: int) -> None:
+        self.s, self.cond = s, asyncio.Condition()
+        order = sorted(range(len(w.agents)), key=lambda a: -chains[a])
+        self.top = set(order[: s.top])
+        self.in_flight: set[int] = set()  # critical: top agents with a request in flight
+        self.queue = order if s.kind == "packed" else []  # packed: agents not started yet
+        self.need = [a.total_tokens() for a in w.agents]  # private final contexts
+        self.room, self.held = s.beta * pool, 0
+
+    async def start(self, i: int) -> None:
+        if self.s.kind != "packed":
+            return
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.queue[0] == i and self._fits(i))
+            self.queue.pop(0)
+            self.held += self.need[i]
+            self.cond.notify_all()
+
+    def _fits(self, i: int) -> bool:
+        return self.held == 0 or self.held + self.need[i] <= self.room
+
+    async def request(self, i: int) -> None:
+        if self.s.kind == "critical" and i not in self.top:
+            async with self.cond:
+                await self.cond.wait_for(lambda: len(self.in_flight) <= self.s.most)
+        if i in self.top:
+            self.in_flight.add(i)
+
+    async def done(self, i: int, finished: bool) -> None:
+        async with self.cond:
+            self.in_flight.discard(i)
+            if finished and self.s.kind == "packed":
+                self.held -= self.need[i]
+            self.cond.notify_all()
+
+
+def _options(s: Schedule) -> dict[str, Any]:
+    gpu = sim_deployment(DEPLOYMENT).gpu
+    return {"gpu": replace(gpu, memory_bytes=gpu.memory_bytes * s.memory_x)}
+
+
+def _simulate(w: Workload, s: Schedule) -> _Run:
+    opts = _options(s)
+    dep = sim_deployment(DEPLOYMENT, **opts)
+    gate = _Gate(w, s, _totals(w, CostModel(dep)).chains, dep.pool_tokens)
     fresh = itertools.count(FIRST_ID)  # token ids unique to one agent's context
     system = list(range(1, w.system_tokens + 1))
     outputs: list[list[int]] = []  # the next request's output, handed to the model double
     sampling = SamplingParams(max_new_tokens=4096)
 
-    async def agent(i: int, engine: SimEngine, in_flight: set[int], cond: asyncio.Condition):
+    async def agent(i: int, engine: SimEngine) -> None:
         a = w.agents[i]
+        await gate.start(i)
         ids = system + [next(fresh) for _ in range(a.prompt_tokens)]
-        for k, s in enumerate(a.steps):
-            if critical and i not in top:
-                async with cond:
-                    await cond.wait_for(lambda: len(in_flight) <= critical[1])
-            out = [next(fresh) for _ in range(s.gen_tokens - 1)] + [EOS]
+        for k, step in enumerate(a.steps):
+            await gate.request(i)
+            out = [next(fresh) for _ in range(step.gen_tokens - 1)] + [EOS]
             outputs.append(out)  # read by the model before generate awaits anything
-            if i in top:
-                in_flight.add(i)
             await engine.generate(list(ids), sampling, agent=str(i))
-            if i in top:
-                in_flight.discard(i)
-                async with cond:
-                    cond.notify_all()
+            await gate.done(i, finished=k == len(a.steps) - 1)
             ids += out
             if k < len(a.steps) - 1:
-                await asyncio.sleep(s.tool_seconds)
-                ids += [next(fresh) for _ in range(s.obs_tokens)]
+                await asyncio.sleep(step.tool_seconds)
+                ids += [next(fresh) for _ in range(step.obs_tokens)]
 
     async def run() -> _Run:
         loop = asyncio.get_running_loop()
         engine = make_sim_engine(DEPLOYMENT, TOKENS, lambda _: outputs.pop(), **opts)
-        in_flight: set[int] = set()
-        cond = asyncio.Condition()
         start = loop.time()
         async with asyncio.TaskGroup() as tg:
             for i in range(len(w.agents)):
-                tg.create_task(agent(i, engine, in_flight, cond))
+                tg.create_task(agent(i, engine))
         stats = engine.stats()
         await engine.aclose()
         return _Run(loop.time() - start, stats)
@@ -95,27 +156,25 @@ def _simulate(w: Workload, opts: dict[str, Any], critical: tuple[int, int] | Non
 
 def main() -> int:
     w = synthetic(WORKLOAD, seed=0)
-    gpu = sim_deployment(DEPLOYMENT).gpu
-    opts: dict[str, Any] = {"gpu": replace(gpu, memory_bytes=gpu.memory_bytes * MEMORY_X)}
-    bound = lower_bound(w, DEPLOYMENT, **opts)["bound_seconds"]
-    pool = sim_deployment(DEPLOYMENT, **opts).pool_tokens
     out = ["# Constructed schedules against the lower bound", ""]
     out.append(
-        f"Generated by `python bench/constructed_schedule.py`: {DEPLOYMENT} with {MEMORY_X}x "
-        f"the GPU memory (pool {pool:,} tokens: memory never binds), workload `{WORKLOAD}` "
-        f"(seed 0), `SimEngine` driven directly (the script's docstring says how). Bound: "
-        f"{bound:,.1f} s."
+        f"Generated by `python bench/constructed_schedule.py`: {DEPLOYMENT}, workload "
+        f"`{WORKLOAD}` (seed 0), `SimEngine` driven directly by clairvoyant schedules (the "
+        "script's docstring says each); `x8` runs have 8x the GPU memory (the pool never "
+        "binds), the others the real pool. Bound: runner/sim/oracle.py for that memory."
     )
-    out += ["", "| schedule | seconds | / bound | decode iterations | prefill iterations "
-            "| prefill s | decode s | idle s | retractions |", "|---" * 9 + "|"]  # fmt: skip
-    for critical in SCHEDULES:
-        r = _simulate(w, opts, critical)
-        st = r.stats
-        name = f"critical {critical[0]}/{critical[1]}" if critical else "greedy"
+    out += ["", "| schedule | memory | seconds | bound s | / bound | decode iterations "
+            "| prefill iterations | prefill s | of it recompute | decode s | idle s "
+            "| retractions |", "|---" * 12 + "|"]  # fmt: skip
+    for s in SCHEDULES:
+        bound = lower_bound(w, DEPLOYMENT, **_options(s))
+        r = _simulate(w, s)
+        st, b = r.stats, bound["bound_seconds"]
         prefill = st["seconds_prefill_new"] + st["seconds_prefill_recompute"]
         cells = [
-            name, f"{r.seconds:,.1f}", f"{r.seconds / bound:.3f}", f"{st['decode_iterations']:,}",
-            f"{st['prefill_iterations']:,}", f"{prefill:,.1f}", f"{st['seconds_decode']:,.1f}",
+            s.name, f"x{s.memory_x}", f"{r.seconds:,.1f}", f"{b:,.1f}", f"{r.seconds / b:.3f}",
+            f"{st['decode_iterations']:,}", f"{st['prefill_iterations']:,}", f"{prefill:,.1f}",
+            f"{st['seconds_prefill_recompute']:,.1f}", f"{st['seconds_decode']:,.1f}",
             f"{st['seconds_idle']:,.1f}", str(st["retractions"]),
         ]  # fmt: skip
         out.append("| " + " | ".join(cells) + " |")

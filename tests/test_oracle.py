@@ -305,3 +305,15 @@ def test_shared_chain_charges_the_others_prefill_all_reduce_and_launches(tmp_pat
     r = simulate(w, "qwen3-32b-tp2", make_policy(policy), tmp_path / "r", engine_options=opts)
     assert r.engine["retractions"] == 0
     assert r.sim_seconds >= b["bound_seconds"], (r.sim_seconds, b)
+
+
+def test_prefill_room_counts_a_truncated_continuation():
+    """Others' tokens fit only beside a request's first and last chunk; the pool may truncate
+    its continuations (then nothing fits after them), so however many tokens it prefills the
+    room is 2 chunks less a token at each end."""
+    from runner.sim.oracle import CHUNK, _prefill_room
+
+    assert _prefill_room(0) == 0
+    assert _prefill_room(1) == CHUNK - 1  # one token is one chunk
+    assert _prefill_room(2) == _prefill_room(500) == 2 * CHUNK - 2
+    assert _prefill_room(5 * CHUNK - 100) == 2 * CHUNK - 2

@@ -93,12 +93,24 @@ class _Totals:
     agent_compute: list[float] = field(default_factory=list)
     agent_slack: list[float] = field(default_factory=list)
     # per agent: fresh prefill tokens, and the most tokens of others its prefill iterations
-    # can hold (each step's prefill spans at most one chunk more than its own tokens need)
+    # can hold (_prefill_room, summed over its steps)
     agent_fresh: list[int] = field(default_factory=list)
     agent_room: list[int] = field(default_factory=list)
     # per decoding step: (least context its tokens attend, tokens, admission weight)
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     agent_admission: list[float] = field(default_factory=list)
+
+
+def _prefill_room(fresh: int) -> int:
+    """The most tokens of other requests the iterations that prefill one request's `fresh`
+    tokens can hold. Only its first and its last chunk share an iteration: a continuation is
+    placed first in its iteration and takes a whole chunk, or the pool truncates it and then
+    nothing fits after it (every admission needs a token). The first and the last chunk
+    hold a token each of its own at least, so 2 x CHUNK - 2 (one chunk less a token if a
+    single token cannot be split)."""
+    if fresh <= 0:
+        return 0
+    return CHUNK - 1 if fresh == 1 else 2 * CHUNK - 2
 
 
 def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
@@ -127,7 +139,7 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
-            room += (math.ceil((ctx - start) / CHUNK) + 1) * CHUNK - (ctx - start)
+            room += _prefill_room(ctx - start)
             tot.sampled += 1
             solo = cost.prefill([(start, ctx)])  # its own iteration at least
             chain += solo.seconds

@@ -10,11 +10,22 @@ times one iteration's fixed cost (weights, launch, all-reduce latency), is the p
 that comes from small decode batches. For chain-bound rows it also shows the longest agent's
 tool seconds against the other agents' prefill: work that cannot ride in that agent's decode
 iterations and has to run during its tools or stall it. Writes bench/results/bound_gap.md.
+
+    python bench/bound_gap.py --unbounded   # also simulates each row's candidate run again
+
+`--unbounded` reruns the candidate on every row with a GPU memory so large that the KV pool
+holds every agent's whole context at once (nothing is ever evicted; same cost model, same
+settings otherwise), and writes bench/results/bound_gap-unbounded.json; the report then splits
+each row's gap into the part the pool causes (device run against the unbounded run) and the
+part that remains without any memory limit (the unbounded run against its own bound).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,13 +35,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bounds  # noqa: E402
+import paper  # noqa: E402
+import stress  # noqa: E402
 
+from runner.policies import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import _totals, lower_bound  # noqa: E402
+from runner.sim.oracle import TEMPLATE_ONCE, TEMPLATE_PER_TURN, _totals, lower_bound  # noqa: E402
+from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+UNBOUNDED = RESULTS / "bound_gap-unbounded.json"
 CANDIDATE = "wset2"
 
 
@@ -82,7 +98,75 @@ def _row(title: str, run: dict[str, Any] | None, b: dict[str, Any], fixed: float
     return "| " + " | ".join(cells) + " |"
 
 
-def report(records: list[dict[str, Any]]) -> str:
+def _unbounded_gpu(w: Workload, dep: str) -> dict[str, Any]:
+    """Deployment changes whose KV pool holds every agent's whole context (its template
+    tokens included) at once: a larger GPU memory, and no --max-total-tokens cap. The cost
+    model reads memory only for the pool's size, so every iteration costs what it did."""
+    d = sim_deployment(dep)
+    need = sum(
+        w.system_tokens + a.total_tokens() + TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
+        for a in w.agents
+    )
+    rest = need * d.kv_bytes_per_token_per_gpu + d.weight_bytes_per_gpu
+    memory = rest / d.mem_fraction_static + d.runtime_reserved_bytes
+    gpu = dataclasses.replace(d.gpu, memory_bytes=max(d.gpu.memory_bytes, math.ceil(memory)))
+    return {"gpu": gpu, "max_total_tokens": None}
+
+
+def _candidate_runs() -> list[paper.Run]:
+    runs = [r for r in paper.plan(None, quick=True) if r.system == CANDIDATE]
+    return runs + stress.plan(None, [CANDIDATE])
+
+
+def simulate_unbounded() -> list[dict[str, Any]]:
+    """The candidate on every row with a pool that never fills (_unbounded_gpu)."""
+    out = []
+    for run in _candidate_runs():
+        w = synthetic(run.workload, seed=0)
+        changes = _unbounded_gpu(w, run.deployment)
+        settings = paper.sim_settings(run)
+        settings["engine_options"] = {**settings["engine_options"], **changes}
+        dest = paper.RUNS / f"{run.name}-unbounded"
+        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)), dest,
+                     label=run.system, **settings)  # fmt: skip
+        e = r.to_json()["engine"]
+        bound = lower_bound(w, run.deployment, **changes)["bound_seconds"]
+        out.append({"config": run.config, "system": run.system, "sim_seconds": r.sim_seconds,
+                    "bound_seconds": bound, "capacity_tokens": e["capacity_tokens"],
+                    "evicted_tokens": e["evicted_tokens"], "engine": e})  # fmt: skip
+        print(f"  {run.name:28s} unbounded pool {e['capacity_tokens']:,} tokens: "
+              f"{r.sim_seconds:,.1f} s (bound {bound:,.1f})", flush=True)  # fmt: skip
+    return out
+
+
+def _unbounded_table(records: list[dict[str, Any]], unbounded: list[dict[str, Any]]) -> list[str]:
+    """Each row's candidate on its pool and on a pool that never fills, against each bound."""
+    device = {r["config"]: r for r in records if r["system"] == CANDIDATE}
+    out = ["", f"## {CANDIDATE} with a pool that never fills", ""]
+    out += ["`python bench/bound_gap.py --unbounded`: the same run on a GPU whose KV pool holds "
+            "every context at once (nothing evicted), beside the device run. `pool part` is "
+            "device run / unbounded run, `rest` the unbounded run / its own bound (the part no "
+            "memory explains); their product times the unbounded bound / the device bound is "
+            "the device run / its bound.", ""]  # fmt: skip
+    out += ["| row | device run s / bound | unbounded pool, tokens | its run s / bound | pool "
+            "part | rest | evicted |", "|---" * 7 + "|"]  # fmt: skip
+    rows = {key: (title, dep, wl) for key, title, dep, wl in bounds.rows()}
+    for u in unbounded:
+        d = device.get(u["config"])
+        if d is None:
+            continue
+        title, dep, wl = rows[u["config"]]
+        b = lower_bound(synthetic(wl, seed=0), dep)["bound_seconds"]
+        out.append(
+            f"| {title} | {d['sim_seconds']:,.0f} / {b:,.0f} | "
+            f"{u['capacity_tokens']:,} | {u['sim_seconds']:,.0f} / {u['bound_seconds']:,.0f} | "
+            f"{d['sim_seconds'] / u['sim_seconds']:.2f} | "
+            f"{u['sim_seconds'] / u['bound_seconds']:.2f} | {u['evicted_tokens']:,} |"
+        )
+    return out
+
+
+def report(records: list[dict[str, Any]], unbounded: list[dict[str, Any]] | None = None) -> str:
     by_row: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_row.setdefault(r["config"], []).append(r)
@@ -113,15 +197,26 @@ def report(records: list[dict[str, Any]]) -> str:
                 f"| {title} | {b['longest_chain_seconds']:,.0f} | "
                 f"{b['shared_chain_seconds']:,.0f} | {tools:,.0f} | {others:,.0f} |"
             )
-    return "\n".join(out + chains) + "\n"
+    extra = _unbounded_table(records, unbounded) if unbounded else []
+    return "\n".join(out + chains + extra) + "\n"
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--unbounded",
+        action="store_true",
+        help="simulate each row's candidate again with a pool that never fills",
+    )
+    args = p.parse_args()
     records = _records()
     if not records:
         print(f"no results in {RESULTS}")
         return 1
-    text = report(records)
+    if args.unbounded:
+        UNBOUNDED.write_text(json.dumps(simulate_unbounded(), indent=1) + "\n")
+    unbounded = json.loads(UNBOUNDED.read_text()) if UNBOUNDED.exists() else None
+    text = report(records, unbounded)
     (RESULTS / "bound_gap.md").write_text(text)
     print(text, end="")
     return 0

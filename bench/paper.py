@@ -124,6 +124,8 @@ ROBUSTNESS = {  # policy -> parameters: -50% and +100% of each default, on every
         "beta": (0.25, 1.0),
         "drop_factor": (0.5, 2.0),
     },
+    # the host-tier parameter moves nothing without a host tier: swept with one
+    "wset2+hicache": {"reload_share": (0.25, 1.0)},
 }
 FIXED_CAPS = {"config": "qwen-tp2", "caps": [30, 32, 64, 128], "paper_best": 1231}
 # The default-policy criterion (issue 16): within CRITERION x the row's lower bound, and never
@@ -206,8 +208,9 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                             f"{key}-{pol}-{k}{v}",
                             key,
                             f"{pol} {k}={v}",
-                            pol,
+                            pol.removesuffix("+hicache"),
                             ((k, v),),
+                            hicache=pol.endswith("+hicache"),
                             rules=RULES[pol],
                         )
                     )
@@ -834,7 +837,8 @@ def main() -> None:
 
 def _sweep_of(run: Run) -> str | None:
     """The policy whose robustness sweep a run belongs to, if it is one."""
-    return run.policy if run.policy in ROBUSTNESS and run.policy_options else None
+    pol = run.policy + ("+hicache" if run.hicache else "")
+    return pol if pol in ROBUSTNESS and run.policy_options else None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""bench/bound_gap.py --unbounded: the deployment change that makes memory never bind."""
+
+from runner.policies import make_policy
+from runner.sim.engine import CostModel
+from runner.sim.engine import deployment as sim_deployment
+from runner.sim.simulate import simulate
+from runner.sim.workload import synthetic
+
+from .conftest import load_bench
+
+# a small pool the tiny workload overflows (the oracle tests' pressured case)
+CAP = {"max_total_tokens": 4000}
+
+
+def test_the_unbounded_pool_holds_every_context_and_costs_what_the_preset_does():
+    gap = load_bench("bound_gap")
+    w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
+    base = sim_deployment("tiny-cpu", **CAP)
+    changes = gap._unbounded_gpu(w, "tiny-cpu")
+    big = sim_deployment("tiny-cpu", **{**CAP, **changes})
+    need = sum(w.system_tokens + a.total_tokens() for a in w.agents)
+    assert big.pool_tokens >= need > base.pool_tokens
+    # only the pool's size changes: every iteration costs what it did
+    a, b = CostModel(base), CostModel(big)
+    assert a.prefill([(0, 700), (100, 900)]).seconds == b.prefill([(0, 700), (100, 900)]).seconds
+    assert a.decode(7, 9000) == b.decode(7, 9000)
+
+
+def test_on_the_unbounded_pool_nothing_is_evicted_where_the_small_pool_evicts(tmp_path):
+    gap = load_bench("bound_gap")
+    w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
+    small = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / "s", engine_options=CAP)
+    changes = {**CAP, **gap._unbounded_gpu(w, "tiny-cpu")}
+    big = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / "b", engine_options=changes)
+    assert small.to_json()["engine"]["evicted_tokens"] > 0
+    assert big.to_json()["engine"]["evicted_tokens"] == 0
+    assert big.sim_seconds < small.sim_seconds

@@ -476,12 +476,12 @@ class Gate:
 
     def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":
-            a.paused_seconds += now - (a.paused_since or now)
+            a.paused_seconds += _since(now, a.paused_since)
             a.paused_since = None
             self.counters.resumes += 1
             self.counters.events.append(("resumed", a.key))
         else:
-            a.pending_seconds += now - (a.wait_since or now)
+            a.pending_seconds += _since(now, a.wait_since)
             if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
             a.ever_admitted = True
@@ -495,3 +495,9 @@ class Gate:
 def _waited(a: _Agent) -> float:
     """Seconds `a` has waited at the gate so far, paused or pending (closed intervals)."""
     return a.paused_seconds + a.pending_seconds
+
+
+def _since(now: float, t: float | None) -> float:
+    """Seconds from `t` to `now` (0 if unset). Not `now - (t or now)`: a wait that began at
+    t = 0.0 (a virtual clock's start) counted 0 s."""
+    return 0.0 if t is None else now - t

@@ -344,12 +344,12 @@ class Gate:
     def _grant(self, a: _Agent) -> None:
         now = self._clock()
         if a.state == "paused":
-            a.paused_seconds += now - (a.paused_since or now)
+            a.paused_seconds += _since(now, a.paused_since)
             a.paused_since = None
             self.counters.resumes += 1
             self.counters.events.append(("resumed", a.key))
         else:
-            a.pending_seconds += now - (a.wait_since or now)
+            a.pending_seconds += _since(now, a.wait_since)
             if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
             a.ever_admitted = True
@@ -358,3 +358,9 @@ class Gate:
         a.admitted_seq = next(self._admit_seq)
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)
+
+
+def _since(now: float, t: float | None) -> float:
+    """Seconds from `t` to `now` (0 if unset). Not `now - (t or now)`: a wait that began at
+    t = 0.0 (a virtual clock's start) counted 0 s."""
+    return 0.0 if t is None else now - t

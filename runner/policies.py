@@ -397,11 +397,13 @@ class WorkingSet2:
       hold is recomputed too, so the cost stays a recompute's.
     - Where rebuilding KV is cheap against the tool calls, waiting is spread: while the
       engine recomputes the whole pool (capacity x recompute_token_seconds, the break-even
-      above) in under `fair_below` mean tool calls, the decision asks the gate for the `FAIR`
-      order (pause the agent that has waited least, resume the one that has waited most)
-      instead of its own. The gate's LIFO order keeps paused agents' KV warm but leaves the
-      first paused waiting for most of the run, and on a pool of a dozen agents their chains
-      then make the tail; where recomputes are dear (measured: every Qwen row) LIFO wins.
+      above) in under `fair_below` typical tool calls (the median of the latest finished
+      ones: the rare long calls are the drop's business, and they made a mean swing), the
+      decision asks the gate for the `FAIR` order (pause the agent that has waited least,
+      resume the one that has waited most) instead of its own. The gate's LIFO order keeps
+      paused agents' KV warm but leaves the first paused waiting for most of the run, and on
+      a pool of a dozen agents their chains then make the tail; where recomputes are dear
+      (measured: every Qwen row) LIFO wins.
     """
 
     reserve: float = 0.1
@@ -412,9 +414,9 @@ class WorkingSet2:
     drop_factor: float = 1.0  # x the break-even remaining tool time above which KV is dropped
     # share of a period's host link time the agents resumed in it may take to reload
     reload_share: float = 0.5
-    # spread the waiting while the pool's recompute takes under this many mean tool calls
+    # spread the waiting while the pool's recompute takes under this many median tool calls
     # (0: never)
-    fair_below: float = 2.0
+    fair_below: float = 3.0
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset2"
@@ -473,10 +475,10 @@ class WorkingSet2:
 
     def _spread(self, calls: _RemainingTime | None, capacity: float, per: float | None) -> bool:
         """Whether to ask for the `FAIR` order: recomputing the whole pool takes under
-        `fair_below` mean tool calls (the expected length of a call just begun)."""
+        `fair_below` median tool calls."""
         if calls is None or not per or not self.fair_below:
             return False
-        return capacity * per < self.fair_below * calls.expected(0.0)
+        return capacity * per < self.fair_below * calls.median()
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -505,6 +507,10 @@ class _RemainingTime:
         self._d = np.asarray(ascending, dtype=np.float64)
         # suffix[i]: the durations from i on, summed from the largest down (one running sum)
         self._suffix = np.append(np.cumsum(self._d[::-1])[::-1], 0.0)
+
+    def median(self) -> float:
+        """The middle duration (of an even count, the upper of the two)."""
+        return float(self._d[len(self._d) // 2])
 
     def expected(self, spent: float) -> float:
         i = int(self._np.searchsorted(self._d, spent, side="right"))

@@ -264,3 +264,56 @@ def test_shared_chain_binds_where_the_others_outlast_the_longest_agents_tools(tm
     for policy in ("none", "aimd", "agent-cap:2"):
         r = simulate(w, dep, make_policy(policy), tmp_path / policy, engine_options=opts)
         assert r.sim_seconds >= b["bound_seconds"], (policy, r.sim_seconds, b)
+
+
+@pytest.mark.parametrize("policy", ["none", "agent-cap:3"])
+def test_each_agents_decode_tokens_take_iterations_of_their_own(tmp_path, policy):
+    # one agent generates far more than the rest: a request decodes one token per iteration
+    # and an agent has one request at a time, so the run needs at least that agent's decode
+    # tokens in iterations, more than the tokens over the batch width would say
+    w = synthetic(
+        "tiny", seed=4, agents=6, steps=(1, 2), long_steps=(0.2, 6, 8), gen=(20, 200),
+        tool_s=(0.01, 0.05), final=(400, 900),
+    )  # fmt: skip
+    own = max(sum(s.gen_tokens - 1 for s in a.steps) for a in w.agents)
+    total = sum(s.gen_tokens - 1 for a in w.agents for s in a.steps)
+    assert own > total / len(w.agents)
+    b = lower_bound(w, "qwen3-32b-tp8", max_total_tokens=100_000)
+    assert b["decode_iterations_min"] == own
+    r = simulate(w, "qwen3-32b-tp8", make_policy(policy), tmp_path / "r",
+                 engine_options={"max_total_tokens": 100_000})  # fmt: skip
+    assert r.engine["decode_iterations"] >= own
+    assert r.sim_seconds >= b["bound_seconds"]
+
+
+@pytest.mark.parametrize("policy", ["none", "aimd", "wset"])
+def test_shared_chain_charges_the_others_prefill_all_reduce_and_launches(tmp_path, policy):
+    # prefill-heavy agents (8-14K contexts, 5-15 tokens a step) with near-instant tools on
+    # TP2: the others' prefill cannot hide in the longest agent's tools, and besides its
+    # compute it moves its tokens' all-reduce bytes (~7% of it at TP2) and needs a launch
+    # per 8,192 tokens beyond what the longest agent's own prefill iterations can hold; with
+    # them the shared chain is the batched prefill's equal (compute alone left it ~7% below
+    # the engine term), and no run beats it
+    w = synthetic(
+        "tiny", seed=0, agents=40, steps=(3, 5), long_steps=(0.05, 20, 25),
+        final=(8000, 14000), gen=(5, 15), tool_s=(0.05, 0.2), system=16,
+    )  # fmt: skip
+    opts = {"max_total_tokens": 400_000}
+    b = lower_bound(w, "qwen3-32b-tp2", **opts)
+    assert b["shared_chain_seconds"] >= 0.99 * b["engine_bound_seconds"]
+    assert b["shared_chain_seconds"] > 3 * b["longest_chain_seconds"]
+    r = simulate(w, "qwen3-32b-tp2", make_policy(policy), tmp_path / "r", engine_options=opts)
+    assert r.engine["retractions"] == 0
+    assert r.sim_seconds >= b["bound_seconds"], (r.sim_seconds, b)
+
+
+def test_prefill_room_counts_a_truncated_continuation():
+    """Others' tokens fit only beside a request's first and last chunk; the pool may truncate
+    its continuations (then nothing fits after them), so however many tokens it prefills the
+    room is 2 chunks less a token at each end."""
+    from runner.sim.oracle import CHUNK, _prefill_room
+
+    assert _prefill_room(0) == 0
+    assert _prefill_room(1) == CHUNK - 1  # one token is one chunk
+    assert _prefill_room(2) == _prefill_room(500) == 2 * CHUNK - 2
+    assert _prefill_room(5 * CHUNK - 100) == 2 * CHUNK - 2

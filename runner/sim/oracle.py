@@ -92,9 +92,25 @@ class _Totals:
     agent_tools: list[float] = field(default_factory=list)
     agent_compute: list[float] = field(default_factory=list)
     agent_slack: list[float] = field(default_factory=list)
+    # per agent: fresh prefill tokens, and the most tokens of others its prefill iterations
+    # can hold (_prefill_room, summed over its steps)
+    agent_fresh: list[int] = field(default_factory=list)
+    agent_room: list[int] = field(default_factory=list)
     # per decoding step: (least context its tokens attend, tokens, admission weight)
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     agent_admission: list[float] = field(default_factory=list)
+
+
+def _prefill_room(fresh: int) -> int:
+    """The most tokens of other requests the iterations that prefill one request's `fresh`
+    tokens can hold. Only its first and its last chunk share an iteration: a continuation is
+    placed first in its iteration and takes a whole chunk, or the pool truncates it and then
+    nothing fits after it (every admission needs a token). The first and the last chunk
+    hold a token each of its own at least, so 2 x CHUNK - 2 (one chunk less a token if a
+    single token cannot be split)."""
+    if fresh <= 0:
+        return 0
+    return CHUNK - 1 if fresh == 1 else 2 * CHUNK - 2
 
 
 def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
@@ -118,11 +134,12 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
     for agent, a in enumerate(workload.agents):
         start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
         chain = hidden = tools = compute = slack = 0.0
-        decode, reads, admission = tot.decode, tot.reads, tot.admission
+        decode, reads, admission, fresh, room = tot.decode, tot.reads, tot.admission, tot.fresh, 0
         reserve = _reserve(workload, cost, agent)
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
+            room += _prefill_room(ctx - start)
             tot.sampled += 1
             solo = cost.prefill([(start, ctx)])  # its own iteration at least
             chain += solo.seconds
@@ -158,6 +175,8 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
         tot.agent_tools.append(tools)
         tot.agent_compute.append(compute)
         tot.agent_slack.append(slack)
+        tot.agent_fresh.append(tot.fresh - fresh)
+        tot.agent_room.append(room)
         tot.agent_admission.append(tot.admission - admission)
     return tot
 
@@ -202,7 +221,10 @@ def lower_bound(
     # Every request in one decode iteration is resident at once: their contexts (the shared
     # prompt once) fit the pool, so there are at least this many iterations.
     mem_iters = math.ceil(tot.private_reads / max(1, capacity - sys_tokens))
-    min_iters = max(mem_iters, _admission_iters(tot, sys_tokens, capacity))
+    # An agent has one request at a time and a request decodes one token per iteration, so
+    # each agent's decode tokens lie in distinct iterations.
+    own_iters = max(tot.agent_decode, default=0)
+    min_iters = max(mem_iters, own_iters, _admission_iters(tot, sys_tokens, capacity))
     decode = max(decode, _decode_floor(cost, min_iters, gen, reads, widest))
     engine = prefill + decode
     chain = max(tot.chains, default=0.0)
@@ -315,6 +337,13 @@ def _shared_chain_bound(
     # the others' prefill compute, less what the agent's own prefills leave idle under their
     # weight reads (where it could ride for free)
     prefill = max(0.0, sum(tot.agent_compute) - tot.agent_compute[agent] - tot.agent_slack[agent])
+    # and, wherever it runs, its all-reduce bytes (linear in the tokens); the part that does
+    # not fit the agent's own prefill iterations needs iterations of its own, each with a
+    # launch and an all-reduce latency at least
+    fresh = tot.fresh - tot.agent_fresh[agent]
+    ar_tok = cost.allreduce(2) - cost.allreduce(1)
+    launches = math.ceil(max(0, fresh - tot.agent_room[agent]) / CHUNK)
+    prefill += ar_tok * fresh + launches * (cost.prefill_fixed + cost.allreduce(1) - ar_tok)
     # ride + rest: every other token's mu and reads wherever it runs (less what hides under
     # the agent's own compute), the prefill, and base - mu per iteration without the agent
     rest_fixed = g_rest * mu + k * (tot.reads - tot.agent_reads[agent]) + prefill - hide

@@ -211,3 +211,20 @@ def test_a_wait_from_the_clocks_start_counts():
         return gate.wait_totals()
 
     assert run_virtual(main()) == (0.0, 4.0)
+
+
+def test_each_data_parallel_rank_takes_its_own_controllers_order():
+    # rank 0's controller chooses FAIR, rank 1's policy no order: only rank 0's gate changes
+    from runner.ranked_gate import RankedGate
+
+    async def main():
+        gates = [Gate(2, pause_rule="newest", resume_rule="newest") for _ in range(2)]
+        ranked = RankedGate(gates, bind=lambda key, rank: None)
+        stats = lambda: CacheStats(0.1, 1000)  # noqa: E731
+        fair = Controller(ranked.view(0), ChoosesFair(), stats, 1.0, rank=0)
+        plain = Controller(ranked.view(1), make_policy("agent-cap:2"), stats, 1.0, rank=1)
+        await asyncio.sleep(1)
+        fair.step(), plain.step()
+        return [(g._pause_now, g._resume_now) for g in gates]
+
+    assert run_virtual(main()) == [("least-waited", "most-waited"), ("newest", "newest")]

@@ -306,6 +306,11 @@ class Gate:
         self._fill()
         return self._window
 
+    @property
+    def rules(self) -> tuple[str, str]:
+        """The pause and resume rules in effect (the configured ones, or a policy's)."""
+        return self._pause_now, self._resume_now
+
     def use_rules(self, rules: tuple[str, str] | None) -> None:
         """Pause and resume by `rules` (names of PAUSE_RULES, RESUME_RULES) from now on, or by
         the configured ones (None): how a policy's `Decision.order` reaches the gate. A new

@@ -184,10 +184,10 @@ def test_the_controller_hands_the_policys_order_to_the_gate():
         gate = Gate(2, pause_rule="newest", resume_rule="oldest")
         ctl = Controller(gate, ChoosesFair(), lambda: CacheStats(0.1, 1000), 1.0)
         first = ctl.step()
-        rules_first = (gate._pause_now, gate._resume_now)
+        rules_first = gate.rules
         await asyncio.sleep(1)
         second = ctl.step()
-        return first, second, rules_first, (gate._pause_now, gate._resume_now), ctl.summary()
+        return first, second, rules_first, gate.rules, ctl.summary()
 
     first, second, rules_first, rules_second, summary = run_virtual(main())
     assert "order" not in first and rules_first == ("newest", "oldest")
@@ -225,6 +225,6 @@ def test_each_data_parallel_rank_takes_its_own_controllers_order():
         plain = Controller(ranked.view(1), make_policy("agent-cap:2"), stats, 1.0, rank=1)
         await asyncio.sleep(1)
         fair.step(), plain.step()
-        return [(g._pause_now, g._resume_now) for g in gates]
+        return [g.rules for g in gates]
 
     assert run_virtual(main()) == [("least-waited", "most-waited"), ("newest", "newest")]

@@ -193,11 +193,13 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0)
     spent, dropped, moved = [], 0, 0
     policy_s = 0.0
+    stepping: list[asyncio.Task[None]] = []
     for _ in range(periods):
         back = rng.sample(sorted(in_tool), 100)
-        for k in back:
+        for k in back:  # a step each; one a period marked pauses there (not awaited)
             ctx[k] += rng.randint(50, 400)
-            await gate.acquire(k, ctx[k])
+            stepping.append(asyncio.create_task(gate.acquire(k, ctx[k])))
+        await asyncio.sleep(0)
         going = rng.sample([k for k in held if k not in in_tool], 100)
         for k in going:
             gate.done_request(k)
@@ -223,9 +225,9 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
         t = cpu()
         WorkingSet2().update(sig)
         policy_s += cpu() - t
-    for task in tasks:
+    for task in [*tasks, *stepping]:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, *stepping, return_exceptions=True)
     return {
         **_named("control_update_wset2_tools", spent),
         "control_update_wset2_tools_agents_per_period": moved / periods,

@@ -123,6 +123,7 @@ ROBUSTNESS = {  # policy -> parameters: -50% and +100% of each default, on every
         "max_recompute": (0.15, 0.6),
         "beta": (0.25, 1.0),
         "drop_factor": (0.5, 2.0),
+        "fair_below": (1.5, 6.0),
     },
     # the host-tier parameter moves nothing without a host tier: swept with one
     "wset2+hicache": {"reload_share": (0.25, 1.0)},

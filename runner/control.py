@@ -44,6 +44,7 @@ class ControlStats:
     windows: list[int] = field(default_factory=list)
     periods: int = 0
     branches: dict[str, int] = field(default_factory=dict)  # how often each branch fired
+    orders: dict[str, int] = field(default_factory=dict)  # periods under a policy's own order
     last: dict[str, Any] = field(default_factory=dict)  # the latest control line (progress)
 
 
@@ -140,6 +141,8 @@ class Controller:
             shared_tokens=self._shared_tokens(),
         )
         decision = self.policy.update(sig)
+        order = decision.order
+        self.gate.use_rules(None if order is None else (order.pause, order.resume))
         after = self.gate.resize(decision.window)
         c = self.gate.counts()
         events = self.gate.drain_events()
@@ -151,6 +154,7 @@ class Controller:
             "u": cache.usage,
             "h": sig.hit_rate,
             "branch": decision.branch,
+            **({"order": str(order)} if order is not None else {}),
             "recompute": None if sig.recompute_rate is None else round(sig.recompute_rate, 4),
             "requests": tally.requests,
             **{k: c[k] for k in ("active", "paused", "pending", "finished")},
@@ -159,6 +163,8 @@ class Controller:
         self.stats.windows.append(after)
         self.stats.periods += 1
         self.stats.branches[decision.branch] = self.stats.branches.get(decision.branch, 0) + 1
+        if order is not None:
+            self.stats.orders[str(order)] = self.stats.orders.get(str(order), 0) + 1
         self.stats.last = line
         return line
 
@@ -201,6 +207,8 @@ class Controller:
             "control_period_s": self.period,
             "control_periods": self.stats.periods,
             "branches": self.stats.branches,
+            # periods a policy chose its own pause/resume order, by order (only if any)
+            **({"orders": self.stats.orders} if self.stats.orders else {}),
             "window": {"min": min(w), "mean": round(statistics.fmean(w), 3), "max": max(w)},
             "pauses": self.gate.counters.pauses,
             "resumes": self.gate.counters.resumes,

@@ -52,12 +52,16 @@ PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
     "shortest": "pause the agents with the shortest context first (cheapest to recompute)",
     "longest": "pause the agents with the longest context first (frees the most KV)",
+    "least-waited": "pause the agents that have waited least so far first (paused and pending "
+    "seconds; spreads the waiting, so no agent's finish slips far behind the others')",
 }
 RESUME_RULES: dict[str, str] = {
     "oldest": "resume the agent paused longest ago first (FIFO; default)",
     "newest": "resume the agent paused most recently first (its KV is likeliest still cached)",
     "longest": "resume the agent with the longest context first",
     "shortest": "resume the agent with the shortest context first",
+    "most-waited": "resume the agent that has waited longest in all first (its paused and "
+    "pending seconds summed)",
 }
 HOLDING = ("active", "marked")
 # a run of at least this many holders marked or unmarked at once moves as whole blocks; a
@@ -103,6 +107,8 @@ class ControlledGate(Protocol):
     def window(self) -> int: ...
 
     def resize(self, window: int) -> int: ...
+
+    def use_rules(self, rules: tuple[str, str] | None) -> None: ...
 
     def counts(self) -> dict[str, int]: ...
 
@@ -162,8 +168,9 @@ class Gate:
                 f"unknown resume rule {resume_rule!r}; choose one of {list(RESUME_RULES)}"
             )
         self.unit = unit
-        self.pause_rule = pause_rule
-        self.resume_rule = resume_rule
+        self.pause_rule = pause_rule  # the configured rules (a policy may choose others a
+        self.resume_rule = resume_rule  # while: use_rules)
+        self._pause_now, self._resume_now = pause_rule, resume_rule  # the rules in effect
         self._clock_fn = clock or (lambda: asyncio.get_running_loop().time())
         # agents not registered yet that may still come (a batch fed from a task source)
         self._coming = coming or (lambda: 0)
@@ -297,7 +304,7 @@ class Gate:
             bound = len(self._agents) - self._n["done"] + self._coming()
         self._window = max(1, min(window, max(1, bound)))
         excess = self._n["active"] - self._window
-        if excess >= RUN and self.pause_rule == "newest":
+        if excess >= RUN and self._pause_now == "newest":
             marked = self._shift(self._keep.active.take_last(excess), "marked")
             self.counters.events += (("marked", a.key) for a in reversed(marked))
         elif excess > 0:
@@ -306,6 +313,30 @@ class Gate:
                 self.counters.events.append(("marked", a.key))
         self._fill()
         return self._window
+
+    @property
+    def rules(self) -> tuple[str, str]:
+        """The pause and resume rules in effect (the configured ones, or a policy's)."""
+        return self._pause_now, self._resume_now
+
+    def use_rules(self, rules: tuple[str, str] | None) -> None:
+        """Pause and resume by `rules` (names of PAUSE_RULES, RESUME_RULES) from now on, or by
+        the configured ones (None): how a policy's `Decision.order` reaches the gate. A new
+        resume rule re-places the paused agents in its order (O(paused x log); only when the
+        rule changes)."""
+        pause, resume = rules or (self.pause_rule, self.resume_rule)
+        if pause not in PAUSE_RULES or resume not in RESUME_RULES:
+            raise ValueError(f"unknown pause/resume rules {pause!r}/{resume!r}")
+        self._pause_now = pause
+        if resume == self._resume_now:
+            return
+        self._resume_now = resume
+        paused = self._keep.paused
+        waiters = list(paused)
+        for a in waiters:
+            paused.remove(a)
+        for a in waiters:
+            paused.add(a, self._resume_key(a))
 
     def counts(self) -> dict[str, int]:
         n = self._n
@@ -425,22 +456,28 @@ class Gate:
         return moved
 
     def _pause_order(self, excess: int) -> list[_Agent]:
-        """The `excess` active agents to mark, in the order the pause rule gives (`resize`
-        takes a run of RUN or more of the newest admitted as whole blocks instead)."""
-        active = self._keep.active
-        if self.pause_rule == "shortest":
+        """The `excess` active agents to mark, in the order the pause rule in effect gives
+        (`resize` takes a run of RUN or more of the newest admitted as whole blocks instead)."""
+        active, rule = self._keep.active, self._pause_now
+        if rule == "shortest":
             return heapq.nsmallest(excess, active, key=lambda a: (a.context, -a.admitted_seq))
-        if self.pause_rule == "longest":
+        if rule == "longest":
             return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
+        if rule == "least-waited":
+            return heapq.nsmallest(excess, active, key=lambda a: (_waited(a), -a.admitted_seq))
         return active.last(excess)  # newest admitted first
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
-        if self.resume_rule == "longest":
+        rule = self._resume_now
+        if rule == "longest":
             return (-a.context, a.order)
-        if self.resume_rule == "shortest":
+        if rule == "shortest":
             return (a.context, a.order)
-        if self.resume_rule == "newest":
+        if rule == "newest":
             return (-(a.paused_since or 0.0), a.order)
+        if rule == "most-waited":
+            # waited by time t: _waited(a) + t - paused_since; the largest first at any t
+            return ((a.paused_since or 0.0) - _waited(a), a.order)
         return (a.paused_since or 0.0, a.order)
 
     def _fill(self) -> None:
@@ -486,12 +523,12 @@ class Gate:
 
     def _grant(self, a: _Agent, now: float) -> None:
         if a.state == "paused":
-            a.paused_seconds += now - (a.paused_since or now)
+            a.paused_seconds += _since(now, a.paused_since)
             a.paused_since = None
             self.counters.resumes += 1
             self.counters.events.append(("resumed", a.key))
         else:
-            a.pending_seconds += now - (a.wait_since or now)
+            a.pending_seconds += _since(now, a.wait_since)
             if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
             a.ever_admitted = True
@@ -500,3 +537,14 @@ class Gate:
         self._move(a, "active")
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)
+
+
+def _waited(a: _Agent) -> float:
+    """Seconds `a` has waited at the gate so far, paused or pending (closed intervals)."""
+    return a.paused_seconds + a.pending_seconds
+
+
+def _since(now: float, t: float | None) -> float:
+    """Seconds from `t` to `now` (0 if unset). Not `now - (t or now)`: a wait that began at
+    t = 0.0 (a virtual clock's start) counted 0 s."""
+    return 0.0 if t is None else now - t

@@ -21,6 +21,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 Unit = Literal["agent", "request"]
+# The gate's pause and resume rules by name (runner/gate.py PAUSE_RULES, RESUME_RULES: a test
+# holds the two lists equal)
+PauseRule = Literal["newest", "shortest", "longest", "least-waited"]
+ResumeRule = Literal["oldest", "newest", "longest", "shortest", "most-waited"]
 
 
 class Contexts(Protocol):
@@ -171,9 +175,26 @@ class Signals:
 
 
 @dataclass(frozen=True)
+class Order:
+    """Whom the gate pauses first when the window shrinks, and whom it resumes first when it
+    grows: a pair of the gate's rules, which a policy may choose period by period."""
+
+    pause: PauseRule
+    resume: ResumeRule
+
+    def __str__(self) -> str:
+        return f"{self.pause}/{self.resume}"
+
+
+# Spread the waiting: pause who has waited least, resume who has waited most (wset2 `fair_below`)
+FAIR = Order("least-waited", "most-waited")
+
+
+@dataclass(frozen=True)
 class Decision:
     window: int
     branch: str  # why: "increase" | "decrease" | "hold" | "fixed" ...
+    order: Order | None = None  # the pause/resume order from now on; None: the gate's own
 
 
 class Policy(Protocol):
@@ -376,6 +397,15 @@ class WorkingSet2:
       trade pays when the remaining time exceeds capacity x that cost (the break-even),
       times `drop_factor`. With a host tier counted in the capacity, what the tiers cannot
       hold is recomputed too, so the cost stays a recompute's.
+    - Where rebuilding KV is cheap against the tool calls, waiting is spread: while the
+      engine recomputes the whole pool (capacity x recompute_token_seconds, the break-even
+      above) in under `fair_below` typical tool calls (the median of the latest finished
+      ones: the rare long calls are the drop's business, and they made a mean swing), the
+      decision asks the gate for the `FAIR` order (pause the agent that has waited least,
+      resume the one that has waited most) instead of its own. The gate's LIFO order keeps
+      paused agents' KV warm but leaves the first paused waiting for most of the run, and on
+      a pool of a dozen agents their chains then make the tail; where recomputes are dear
+      (measured: every Qwen row) LIFO wins.
     """
 
     reserve: float = 0.1
@@ -386,6 +416,9 @@ class WorkingSet2:
     drop_factor: float = 1.0  # x the break-even remaining tool time above which KV is dropped
     # share of a period's host link time the agents resumed in it may take to reload
     reload_share: float = 0.5
+    # spread the waiting while the pool's recompute takes under this many median tool calls
+    # (0: never)
+    fair_below: float = 3.0
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset2"
@@ -401,6 +434,8 @@ class WorkingSet2:
             raise ValueError(f"wset2 drop_factor must be > 0, got {self.drop_factor!r}")
         if not 0.0 < self.reload_share <= 1.0:
             raise ValueError(f"wset2 reload_share must be in (0, 1], got {self.reload_share!r}")
+        if self.fair_below < 0:
+            raise ValueError(f"wset2 fair_below must be >= 0, got {self.fair_below!r}")
         _numpy()  # now, rather than in the first control period that drops (a 60 ms stall)
 
     def initial_window(self, n_agents: int) -> int:
@@ -416,32 +451,47 @@ class WorkingSet2:
         # the shared prefix is stored once
         budget = _reserved_budget(s, capacity, self.reserve, host_counted) - shared
         contexts = s.contexts
-        after = self._drop_after(s, capacity)
+        per = s.recompute_token_seconds  # None: the engine cannot tell, nothing is dropped
+        calls = _tool_calls(s) if per else None
+        after = self._drop_after(calls, capacity, per)
         if after is not None:  # holders in calls past it count nothing
             fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
         else:
             fit = contexts.fit(budget, growth, shared)
         d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
         cap = _resume_cap(s, host_counted, self.reload_share)
-        return d if cap is None or cap >= d.window else Decision(cap, "fit:reload-cap")
+        if cap is not None and cap < d.window:
+            d = Decision(cap, "fit:reload-cap")
+        return dataclasses.replace(d, order=FAIR) if self._spread(calls, capacity, per) else d
 
-    def _drop_after(self, s: Signals, capacity: float) -> float | None:
+    def _drop_after(
+        self, calls: _RemainingTime | None, capacity: float, per: float | None
+    ) -> float | None:
         """Seconds in a tool call from which a holder's KV is dropped (None: never): the
-        first time the call's expected remainder passes the break-even. With a host tier
-        counted in `capacity`, a context the tiers cannot hold is recomputed, not reloaded,
-        so the cost is a recompute's either way."""
-        if not s.recompute_token_seconds:
+        first time the call's expected remainder passes the break-even (`per` is a token's
+        recompute seconds). With a host tier counted in `capacity`, a context the tiers
+        cannot hold is recomputed, not reloaded, so the cost is a recompute's either way."""
+        if calls is None or not per:
             return None
-        durations = s.tools.durations()
-        if not len(durations):
-            return None
-        break_even = self.drop_factor * capacity * s.recompute_token_seconds
-        return _RemainingTime(durations).first_above(break_even)
+        return calls.first_above(self.drop_factor * capacity * per)
+
+    def _spread(self, calls: _RemainingTime | None, capacity: float, per: float | None) -> bool:
+        """Whether to ask for the `FAIR` order: recomputing the whole pool takes under
+        `fair_below` median tool calls."""
+        if calls is None or not per or not self.fair_below:
+            return False
+        return capacity * per < self.fair_below * calls.median()
 
     def params(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("fallback")
         return d
+
+
+def _tool_calls(s: Signals) -> _RemainingTime | None:
+    """The latest finished tool calls' remaining-time estimate (None: none finished yet)."""
+    durations = s.tools.durations()
+    return _RemainingTime(durations) if len(durations) else None
 
 
 class _RemainingTime:
@@ -466,6 +516,10 @@ class _RemainingTime:
         self._suffix = suffix = np.zeros(m + 1)
         if m:
             np.cumsum(d[::-1], out=suffix[m - 1 :: -1])
+
+    def median(self) -> float:
+        """The middle duration (of an even count, the upper of the two)."""
+        return float(self._d[len(self._d) // 2])
 
     def expected(self, spent: float) -> float:
         i = int(self._np.searchsorted(self._d, spent, side="right"))

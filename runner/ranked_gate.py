@@ -144,6 +144,9 @@ class RankView:
     def resize(self, window: int) -> int:
         return self._ranked.resize(self._rank, window)
 
+    def use_rules(self, rules: tuple[str, str] | None) -> None:
+        self._gate.use_rules(rules)
+
     def counts(self) -> dict[str, int]:
         return self._gate.counts()
 

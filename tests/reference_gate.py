@@ -24,8 +24,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PAUSE_RULES = ("newest", "shortest", "longest")
-RESUME_RULES = ("oldest", "newest", "longest", "shortest")
+PAUSE_RULES = ("newest", "shortest", "longest", "least-waited")
+RESUME_RULES = ("oldest", "newest", "longest", "shortest", "most-waited")
 HOLDING = ("active", "marked")
 TOOL_DURATIONS_KEPT = 1000
 
@@ -75,6 +75,7 @@ class Gate:
         self.unit = unit
         self.pause_rule = pause_rule
         self.resume_rule = resume_rule
+        self._configured = (pause_rule, resume_rule)
         self._clock_fn = clock or (lambda: asyncio.get_running_loop().time())
         # agents not registered yet that may still come (a batch fed from a task source)
         self._coming = coming or (lambda: 0)
@@ -286,6 +287,9 @@ class Gate:
             return sorted(running, key=lambda a: (a.context, -a.admitted_seq))
         if self.pause_rule == "longest":
             return sorted(running, key=lambda a: (-a.context, -a.admitted_seq))
+        if self.pause_rule == "least-waited":
+            waited = lambda a: a.paused_seconds + a.pending_seconds  # noqa: E731
+            return sorted(running, key=lambda a: (waited(a), -a.admitted_seq))
         return sorted(running, key=lambda a: -a.admitted_seq)
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
@@ -295,7 +299,20 @@ class Gate:
             return (a.context, a.order)
         if self.resume_rule == "newest":
             return (-(a.paused_since or 0.0), a.order)
+        if self.resume_rule == "most-waited":
+            # the most seconds waited at any instant t (earlier waits + t - paused_since) first
+            return ((a.paused_since or 0.0) - a.paused_seconds - a.pending_seconds, a.order)
         return (a.paused_since or 0.0, a.order)
+
+    def use_rules(self, rules: tuple[str, str] | None) -> None:
+        """The rules from now on (None: the configured ones); the paused queue re-sorted."""
+        self.pause_rule, self.resume_rule = rules or self._configured
+        self._paused_q = []
+        for a in self._agents.values():
+            if a.state == "paused" and a.waiter is not None and not a.waiter.done():
+                a.queued = (*self._resume_key(a), a.key)
+                self._paused_q.append(a.queued)
+        heapq.heapify(self._paused_q)
 
     def _pop_waiter(self, queue: list, state: str) -> _Agent | None:
         """The first agent of a queue that still waits in `state` (stale entries dropped)."""
@@ -327,12 +344,12 @@ class Gate:
     def _grant(self, a: _Agent) -> None:
         now = self._clock()
         if a.state == "paused":
-            a.paused_seconds += now - (a.paused_since or now)
+            a.paused_seconds += _since(now, a.paused_since)
             a.paused_since = None
             self.counters.resumes += 1
             self.counters.events.append(("resumed", a.key))
         else:
-            a.pending_seconds += now - (a.wait_since or now)
+            a.pending_seconds += _since(now, a.wait_since)
             if not a.ever_admitted:
                 self.counters.events.append(("admitted", a.key))
             a.ever_admitted = True
@@ -341,3 +358,9 @@ class Gate:
         a.admitted_seq = next(self._admit_seq)
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)
+
+
+def _since(now: float, t: float | None) -> float:
+    """Seconds from `t` to `now` (0 if unset). Not `now - (t or now)`: a wait that began at
+    t = 0.0 (a virtual clock's start) counted 0 s."""
+    return 0.0 if t is None else now - t

@@ -84,9 +84,14 @@ async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
         elif e < 0.85:
             w, bound = rng.randint(0, len(keys) + 3), rng.choice([None, None, rng.randint(0, 9)])
             what = ("resize", w, bound, gate.resize(w, bound))
-        elif e < 0.9:
+        elif e < 0.88:
             gate.register(k)
             what = ("register", k)
+        elif e < 0.9:  # a policy's own order for a while, or back to the configured one
+            pair = (rng.choice(list(PAUSE_RULES)), rng.choice(list(RESUME_RULES)))
+            rules = rng.choice([None, pair])
+            gate.use_rules(rules)
+            what = ("rules", rules)
         else:
             now[0] += rng.choice([0.0, 0.5, 1.0])
             what = ("tick", now[0])

@@ -6,7 +6,9 @@ time from which KV is dropped, the same dropped holders, the same fit and the sa
 for random policy settings and engines."""
 
 import asyncio
+import dataclasses
 import random
+import statistics
 
 import pytest
 
@@ -14,6 +16,7 @@ from runner import gate as gate_module
 from runner import gate_order
 from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
 from runner.policies import (
+    FAIR,
     ContextList,
     Signals,
     WorkingSet2,
@@ -21,6 +24,7 @@ from runner.policies import (
     _fit_dropping,
     _held_past,
     _RemainingTime,
+    _tool_calls,
 )
 from tests import reference_gate, reference_wset2
 
@@ -43,6 +47,7 @@ def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float
             reserve=rng.choice([0.0, 0.1, 0.3]),
             headroom_steps=rng.choice([0.0, 1.0]),
             drop_factor=rng.choice([0.05, 0.3, 1.0, 3.0]),
+            fair_below=rng.choice([0.0, 2.0, 50.0]),
         )
         break_even = rng.choice([0.3, 1.0, rng.uniform(0.01, 6.0)])  # seconds
         s_kw = dict(
@@ -56,7 +61,9 @@ def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float
         )  # fmt: skip
         new_s = signals(s_kw, gate.contexts(), gate.tools())
         old_s = signals(s_kw, old_contexts, None)
-        after = policy._drop_after(new_s, _capacity(new_s, True))
+        per = new_s.recompute_token_seconds
+        calls = _tool_calls(new_s) if per else None
+        after = policy._drop_after(calls, _capacity(new_s, True), per)
         assert after == reference_wset2._drop_after(policy, old_s, capacity, durations)
         if after is not None:
             dropped = _held_past(new_s, after)
@@ -71,7 +78,12 @@ def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float
                 old_contexts, budget, extra, shared, [p for p, _ in dropped]
             )
         got = policy.update(new_s)
-        assert got == reference_wset2.update(policy, old_s, held_s, durations)
+        want = reference_wset2.update(policy, old_s, held_s, durations)
+        # the order: FAIR where the pool is recomputed in under fair_below median calls
+        spread = bool(policy.fair_below and per and durations) and capacity * per < (
+            policy.fair_below * statistics.median_high(durations)
+        )
+        assert got == (dataclasses.replace(want, order=FAIR) if spread else want)
     return dropped_total
 
 

@@ -139,6 +139,7 @@ class _Agent:
     ever_admitted: bool = False
     block: Block = UNPLACED  # its place in the keep order (gate_order.py), if it has one
     sort_key: Any = None
+    active_stamp: int = 0  # counts its entries into `active` (Gate._by_wait's entries)
 
 
 @dataclass
@@ -171,6 +172,10 @@ class Gate:
         self.pause_rule = pause_rule  # the configured rules (a policy may choose others a
         self.resume_rule = resume_rule  # while: use_rules)
         self._pause_now, self._resume_now = pause_rule, resume_rule  # the rules in effect
+        # While the pause rule is least-waited: the active agents by (waited, -admitted_seq),
+        # a heap with stale entries skipped when popped (an active agent's wait cannot change
+        # until it leaves `active`), so a pause does not scan every active agent.
+        self._by_wait: list[tuple[float, int, int, _Agent]] | None = None
         self._clock_fn = clock or (lambda: asyncio.get_running_loop().time())
         # agents not registered yet that may still come (a batch fed from a task source)
         self._coming = coming or (lambda: 0)
@@ -328,6 +333,8 @@ class Gate:
         if pause not in PAUSE_RULES or resume not in RESUME_RULES:
             raise ValueError(f"unknown pause/resume rules {pause!r}/{resume!r}")
         self._pause_now = pause
+        if pause != "least-waited":
+            self._by_wait = None  # built again from `active` when the rule returns
         if resume == self._resume_now:
             return
         self._resume_now = resume
@@ -426,6 +433,7 @@ class Gate:
         a.state = state
         if state == "active":
             self._keep.active.add(a, a.admitted_seq)
+            self._enter_active(a)
         elif state == "marked":
             self._keep.marked.add(a, a.admitted_seq)
 
@@ -446,6 +454,8 @@ class Gate:
         moved = [a for b in blocks for a in b.items]
         for a in moved:
             a.state = state
+            if state == "active":
+                self._enter_active(a)
         other = "active" if state == "marked" else "marked"
         self._n[other] -= len(moved)
         self._n[state] += len(moved)
@@ -464,8 +474,29 @@ class Gate:
         if rule == "longest":
             return heapq.nsmallest(excess, active, key=lambda a: (-a.context, -a.admitted_seq))
         if rule == "least-waited":
-            return heapq.nsmallest(excess, active, key=lambda a: (_waited(a), -a.admitted_seq))
+            return self._least_waited(excess)
         return active.last(excess)  # newest admitted first
+
+    def _enter_active(self, a: _Agent) -> None:
+        a.active_stamp += 1
+        if self._by_wait is not None:
+            heapq.heappush(self._by_wait, (_waited(a), -a.admitted_seq, a.active_stamp, a))
+
+    def _least_waited(self, excess: int) -> list[_Agent]:
+        """The `excess` active agents that have waited least (the newest admitted first among
+        equals), from the heap; the heap is rebuilt from `active` when first needed and when
+        stale entries outnumber the live ones."""
+        heap = self._by_wait
+        if heap is None or len(heap) > 2 * self._n["active"] + 64:
+            heap = [(_waited(a), -a.admitted_seq, a.active_stamp, a) for a in self._keep.active]
+            heapq.heapify(heap)
+            self._by_wait = heap
+        out: list[_Agent] = []
+        while heap and len(out) < excess:
+            _, _, stamp, a = heapq.heappop(heap)
+            if a.state == "active" and a.active_stamp == stamp:
+                out.append(a)
+        return out
 
     def _resume_key(self, a: _Agent) -> tuple[float, int]:
         rule = self._resume_now

@@ -41,7 +41,7 @@ import stress  # noqa: E402
 from runner.policies import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import TEMPLATE_ONCE, TEMPLATE_PER_TURN, _totals, lower_bound  # noqa: E402
+from runner.sim.oracle import _totals, longest_prompt, lower_bound  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
@@ -103,10 +103,7 @@ def _unbounded_gpu(w: Workload, dep: str) -> dict[str, Any]:
     tokens included) at once: a larger GPU memory, and no --max-total-tokens cap. The cost
     model reads memory only for the pool's size, so every iteration costs what it did."""
     d = sim_deployment(dep)
-    need = sum(
-        w.system_tokens + a.total_tokens() + TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
-        for a in w.agents
-    )
+    need = sum(longest_prompt(w, a) for a in range(len(w.agents)))
     rest = need * d.kv_bytes_per_token_per_gpu + d.weight_bytes_per_gpu
     memory = rest / d.mem_fraction_static + d.runtime_reserved_bytes
     gpu = dataclasses.replace(d.gpu, memory_bytes=max(d.gpu.memory_bytes, math.ceil(memory)))
@@ -139,8 +136,13 @@ def simulate_unbounded() -> list[dict[str, Any]]:
     return out
 
 
-def _unbounded_table(records: list[dict[str, Any]], unbounded: list[dict[str, Any]]) -> list[str]:
-    """Each row's candidate on its pool and on a pool that never fills, against each bound."""
+def _unbounded_table(
+    records: list[dict[str, Any]],
+    unbounded: list[dict[str, Any]],
+    rows: dict[str, tuple[str, Workload, str, float]],
+) -> list[str]:
+    """Each row's candidate on its pool and on a pool that never fills, against each bound.
+    `rows`: key -> (title, workload, deployment, device bound), as report() computed them."""
     device = {r["config"]: r for r in records if r["system"] == CANDIDATE}
     out = ["", f"## {CANDIDATE} with a pool that never fills", ""]
     out += ["`python bench/bound_gap.py --unbounded`: the same run on a GPU whose KV pool holds "
@@ -150,14 +152,11 @@ def _unbounded_table(records: list[dict[str, Any]], unbounded: list[dict[str, An
             "the device run / its bound.", ""]  # fmt: skip
     out += ["| row | device run s / bound | unbounded pool, tokens | its run s / bound | pool "
             "part | rest | evicted |", "|---" * 7 + "|"]  # fmt: skip
-    rows = {key: (title, dep, wl) for key, title, dep, wl in bounds.rows()}
     for u in unbounded:
         d = device.get(u["config"])
         if d is None:
             continue
-        title, dep, wl = rows[u["config"]]
-        w = synthetic(wl, seed=0)
-        b = lower_bound(w, dep)["bound_seconds"]
+        title, w, dep, b = rows[u["config"]]
         # recomputed, not read from the file: the bound may have been tightened since the runs
         u = {**u, "bound_seconds": lower_bound(w, dep, **_unbounded_gpu(w, dep))["bound_seconds"]}
         out.append(
@@ -184,9 +183,11 @@ def report(records: list[dict[str, Any]], unbounded: list[dict[str, Any]] | None
             "iterations x fixed cost, s | host load / idle s |", "|---" * 9 + "|"]  # fmt: skip
     chains = ["", "| chain-bound row | chain s | shared chain s | longest agent's tools s | "
               "others' prefill s |", "|---|---|---|---|---|"]  # fmt: skip
+    rows: dict[str, tuple[str, Workload, str, float]] = {}
     for key, title, dep, wl in bounds.rows():
         w = synthetic(wl, seed=0)
         b, bh = lower_bound(w, dep), lower_bound(w, dep, host_tier=True)
+        rows[key] = (title, w, dep, b["bound_seconds"])
         fixed = CostModel(sim_deployment(dep)).decode(1, 0)
         runs = by_row.get(key, [])
         cand = next((r for r in runs if r["system"] == CANDIDATE), None)
@@ -200,7 +201,7 @@ def report(records: list[dict[str, Any]], unbounded: list[dict[str, Any]] | None
                 f"| {title} | {b['longest_chain_seconds']:,.0f} | "
                 f"{b['shared_chain_seconds']:,.0f} | {tools:,.0f} | {others:,.0f} |"
             )
-    extra = _unbounded_table(records, unbounded) if unbounded else []
+    extra = _unbounded_table(records, unbounded, rows) if unbounded else []
     return "\n".join(out + chains + extra) + "\n"
 
 

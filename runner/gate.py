@@ -285,10 +285,10 @@ class Gate:
         if a is None or a.state == "done":
             return
         now = self._clock()
-        if a.state == "paused" and a.paused_since is not None:
-            a.paused_seconds += now - a.paused_since
-        if a.state == "pending" and a.wait_since is not None:
-            a.pending_seconds += now - a.wait_since
+        if a.state == "paused":
+            a.paused_seconds += _since(now, a.paused_since)
+        if a.state == "pending":
+            a.pending_seconds += _since(now, a.wait_since)
         if a.waiter is not None and not a.waiter.done():
             a.waiter.cancel()
         self._move(a, "done")
@@ -400,10 +400,10 @@ class Gate:
         for a in self._agents.values():
             paused += a.paused_seconds
             pending += a.pending_seconds
-            if a.state == "paused" and a.paused_since is not None:
-                paused += now - a.paused_since
-            if a.state == "pending" and a.wait_since is not None:
-                pending += now - a.wait_since
+            if a.state == "paused":
+                paused += _since(now, a.paused_since)
+            if a.state == "pending":
+                pending += _since(now, a.wait_since)
         return paused, pending
 
     # ---- mechanism -----------------------------------------------------------------------

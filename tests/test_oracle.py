@@ -3,7 +3,7 @@
 import pytest
 
 from runner.policies import make_policy
-from runner.sim.oracle import _memory_bound, lower_bound
+from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 
@@ -311,8 +311,6 @@ def test_prefill_room_counts_a_truncated_continuation():
     """Others' tokens fit only beside a request's first and last chunk; the pool may truncate
     its continuations (then nothing fits after them), so however many tokens it prefills the
     room is 2 chunks less a token at each end."""
-    from runner.sim.oracle import CHUNK, _prefill_room
-
     assert _prefill_room(0) == 0
     assert _prefill_room(1) == CHUNK - 1  # one token is one chunk
     assert _prefill_room(2) == _prefill_room(500) == 2 * CHUNK - 2

@@ -113,14 +113,20 @@ def _prefill_room(fresh: int) -> int:
     return CHUNK - 1 if fresh == 1 else 2 * CHUNK - 2
 
 
+def longest_prompt(workload: Workload, agent: int) -> int:
+    """At most what any request of an agent holds: its final context (the shared prompt
+    included) plus the runner's template tokens."""
+    a = workload.agents[agent]
+    template = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
+    return workload.system_tokens + a.total_tokens() + template
+
+
 def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
     """A floor on min(max_new_tokens, 4096) of every request of an agent, which the engine
-    clips to min(context, pool) - 2 - prompt: its prompts are at most its final context plus
-    the runner's template tokens. 0 (no credit) where the clip could bind."""
-    a = workload.agents[agent]
+    clips to min(context, pool) - 2 - prompt: its prompts are at most `longest_prompt`. 0
+    (no credit) where the clip could bind."""
     limit = min(cost.d.max_context, cost.d.pool_tokens) - 2
-    template = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
-    longest = workload.system_tokens + a.total_tokens() + template
+    longest = longest_prompt(workload, agent)
     want = min(MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
     return want if limit - longest >= want else 0
 

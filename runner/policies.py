@@ -119,6 +119,15 @@ class Tools(Protocol):
         finished (in a tool call, or preparing its next turn), by position."""
         ...
 
+    def fit_dropping(
+        self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
+    ) -> int | None:
+        """`_fit_dropping(contexts, budget, extra, shared, held_past(seconds))` where the view
+        can answer it from running totals (the gate's: per-block sums of the holders in a
+        call, without placing each dropped holder); None where it cannot (the caller then
+        computes it holder by holder)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ToolList:
@@ -140,6 +149,11 @@ class ToolList:
             for i, (t, c) in enumerate(zip(self.held_seconds, self.held_contexts, strict=False))
             if t > 0 and t >= seconds
         ]
+
+    def fit_dropping(
+        self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
+    ) -> int | None:
+        return None  # no running totals: `_fit_dropping` over `held_past`
 
 
 @dataclass(frozen=True)
@@ -455,7 +469,9 @@ class WorkingSet2:
         calls = _tool_calls(s) if per else None
         after = self._drop_after(calls, capacity, per)
         if after is not None:  # holders in calls past it count nothing
-            fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
+            fit = s.tools.fit_dropping(contexts, after, budget, growth, shared)
+            if fit is None:
+                fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
         else:
             fit = contexts.fit(budget, growth, shared)
         d = _cut_or_fit(s, fit, self.max_recompute, self.beta)

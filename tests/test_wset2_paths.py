@@ -193,7 +193,9 @@ async def test_the_fit_from_block_sums_leaves_a_tie_to_the_float_sums():
     assert view.fit_dropping(contexts, 1.0, 4000.0) is None  # a, b, c total 4000 exactly
     assert _fit_dropping(contexts, 4000.0, 0.0, 0, held) == 3
     assert view.fit_dropping(contexts, 1.0, 1000.0) is None  # a, b total 1000 exactly
-    assert view.fit_dropping(contexts, 6.0, 1000.0) is None  # b not past: a totals 1000
+    # b not past 6 s: nothing dropped, the plain fit (a totals 1000: within)
+    assert view.held_past(6.0) == []
+    assert view.fit_dropping(contexts, 6.0, 1000.0) == 1 == contexts.fit(1000.0)
     assert (
         view.fit_dropping(contexts, 6.0, 2999.0)
         == 1

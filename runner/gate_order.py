@@ -408,6 +408,8 @@ _block = operator.attrgetter("block")
 _block_keys = operator.attrgetter("block.keys")
 _context = operator.attrgetter("context")
 _in_call = operator.attrgetter("in_call")
+_calls = operator.attrgetter("calls")
+_call_total = operator.attrgetter("call_total")
 _sort_key = operator.attrgetter("sort_key")
 _keys = operator.attrgetter("keys")
 _low = operator.attrgetter("low")
@@ -537,9 +539,9 @@ class ToolsView:
         if budget < 0:
             return 0
         dropped = self._dropped(seconds)
-        if not dropped:
+        if dropped is None:
             return contexts.fit(budget, extra, shared)
-        return _FitPast(contexts._blocks(), dropped, self._past(seconds), extra, shared)(budget)
+        return _FitPast(contexts._blocks(), *dropped, self._past(seconds), extra, shared)(budget)
 
     def _past(self, seconds: float) -> Callable[[float], bool]:
         """Whether a call begun at a time is past `seconds` now (held_past's test): true for
@@ -552,45 +554,29 @@ class ToolsView:
 
         return past
 
-    def _dropped(self, seconds: float) -> dict[Block, list[int]]:
-        """The holders past `seconds` in a call, by block: [how many, their contexts summed].
-        They are the calls begun first (`held_past`): from those where they are the fewer,
-        else from the blocks' sums of their members in a call (`Block.calls`, `call_total`)
-        less the holders in a call short of the time."""
+    def _dropped(self, seconds: float) -> tuple[list[int], list[int]] | None:
+        """The holders past `seconds` in a call: how many, and their contexts summed, in each
+        holder block (active, then marked: the keep order's first blocks); None if none is.
+        They are the calls begun first (`held_past`): counted from those where they are the
+        fewer, else from the blocks' sums of their members in a call (`Block.calls`,
+        `call_total`) less the holders in a call short of the time."""
         calls = self._calls.open
         n = self._calls.begun_by(self._past(seconds))
+        if not n:
+            return None
+        blocks = [*self._order.active.blocks, *self._order.marked.blocks]
         if n <= len(calls) - n:
-            return _by_block(list(itertools.islice(calls, n)))
-        short = list(itertools.islice(reversed(calls), len(calls) - n))
-        return _in_call_less(self._order, _by_block(short))
-
-
-def _by_block(agents: list[Any]) -> dict[Block, list[int]]:
-    """[how many, contexts summed] of `agents` by block."""
-    out: dict[Block, list[int]] = {}
-    for a in agents:
-        sums = out.get(a.block)
-        if sums is None:
-            out[a.block] = [1, a.context]
+            counts, sums = [0] * len(blocks), [0] * len(blocks)
+            members, sign = itertools.islice(calls, n), 1
         else:
-            sums[0] += 1
-            sums[1] += a.context
-    return out
-
-
-def _in_call_less(order: KeepOrder, short: dict[Block, list[int]]) -> dict[Block, list[int]]:
-    """The holder blocks' members in a call, less the `short` ones, by block (none left:
-    the block is left out)."""
-    out = {}
-    for seg in (order.active, order.marked):
-        for b in seg.blocks:
-            n, total = b.calls, b.call_total
-            less = short.get(b)
-            if less is not None:
-                n, total = n - less[0], total - less[1]
-            if n:
-                out[b] = [n, total]
-    return out
+            counts, sums = list(map(_calls, blocks)), list(map(_call_total, blocks))
+            members, sign = itertools.islice(reversed(calls), len(calls) - n), -1
+        at = dict(zip(blocks, itertools.count()))
+        for a in members:
+            i = at[a.block]
+            counts[i] += sign
+            sums[i] += sign * a.context
+        return counts, sums
 
 
 class _FitPast:
@@ -607,40 +593,41 @@ class _FitPast:
     def __init__(
         self,
         blocks: list[Block],
-        dropped: dict[Block, list[int]],
+        counts: list[int],
+        sums: list[int],
         past: Callable[[float], bool],
         extra: float,
         shared: int,
     ) -> None:
-        self._blocks, self._dropped, self._past = blocks, dropped, past
+        """`counts` and `sums`: the dropped members of the first blocks (`_dropped`)."""
+        self._blocks, self._counts, self._past = blocks, counts, past
         self._extra, self._shared = extra, shared
         sizes = list(map(len, map(_keys, blocks)))
-        if min(map(_low, blocks)) >= shared:
+        times_shared = (operator.mul, itertools.repeat(shared))
+        lost: Iterator[int]
+        if min(map(_low, blocks)) >= shared:  # every term max(c, shared) is c: from the sums
             floored = list(map(_total, blocks))
+            lost = map(operator.sub, sums, map(*times_shared, counts))
         else:
             floored = [_floored(b, shared) for b in blocks]
-        # each block's integer part and count of the members not dropped
-        ints = list(map(operator.sub, floored, map(operator.mul, sizes, itertools.repeat(shared))))
-        kept = sizes[:]
-        at = dict(zip(blocks, itertools.count()))
-        for b, (n, total) in dropped.items():
-            i = at[b]
-            ints[i] -= self._dropped_floored(b, n, total)
-            kept[i] -= n
+            lost = map(self._dropped_floored, blocks, counts, sums)
+        # each block's integer part and count of the members not dropped, summed on
+        ints = map(operator.sub, floored, map(*times_shared, sizes))
+        ints = map(operator.sub, ints, itertools.chain(lost, itertools.repeat(0)))
+        kept = map(operator.sub, sizes, itertools.chain(counts, itertools.repeat(0)))
         self._ints = list(itertools.accumulate(ints))
         self._kept = list(itertools.accumulate(kept))
         self._ks = list(itertools.accumulate(sizes))
         n = self._ks[-1]
         # |every sum either path forms| <= this: the budget, all terms, and k x |per|
-        scale = sum(floored) + n * (extra + shared)
-        self._scale, self._n = scale, n
+        self._scale, self._n = sum(floored) + n * (extra + shared), n
 
     def _dropped_floored(self, b: Block, n: int, total: int) -> int:
         """The dropped members' sum of max(c, shared) - shared in block `b` (n of them,
         contexts summed to `total`): from the sums where no context in it is below
         `shared`, else member by member."""
         shared = self._shared
-        if b.low >= shared or b.refresh_low() >= shared:
+        if not n or b.low >= shared or b.refresh_low() >= shared:
             return total - n * shared
         past = self._past
         return sum(
@@ -662,7 +649,7 @@ class _FitPast:
         else:
             terms = [max(a.context, shared) - shared for a in items]
         counted = [1] * len(terms)
-        if b in self._dropped:  # its members in a call (picked in C), those past the time
+        if j < len(self._counts) and self._counts[j]:  # its members in a call, those past
             for i in itertools.compress(itertools.count(), map(_in_call, items)):
                 if past(items[i].tool_since):
                     terms[i] = counted[i] = 0

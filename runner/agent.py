@@ -24,7 +24,7 @@ from typing import Any
 from tools.core import Observation, Tool, ToolContext, call_schema, cap, check_args, schema
 
 from . import retries
-from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams
+from .engine import ContextLimitExceeded, Engine, Generation, SamplingParams, Tokenizer
 from .gate import AdmissionGate
 from .records import as_message, message, tool_call
 from .tasks import Task
@@ -37,6 +37,39 @@ DEFAULT_SYSTEM = (
     "one tool. When the task is done, call the submit tool."
 )
 OBSERVATION_RECORD_CAP = 4000  # characters of each observation kept in the trajectory
+
+
+def opening_messages(task: Task) -> list[dict[str, Any]]:
+    """The conversation an agent opens with: the task's messages, a default system prompt
+    first where the task has none."""
+    messages = [as_message(m) for m in task.messages]
+    if messages[0]["role"] != "system":
+        messages.insert(0, message("system", DEFAULT_SYSTEM))
+    return messages
+
+
+def opening_ids(
+    tok: Tokenizer, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]
+) -> list[int]:
+    """The opening prompt's ids: the chat template applied once, with a generation prompt.
+    (The simulator's oracle counts the runner's prompts through this too.)"""
+    rendered = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not tok.supports_tools:  # e.g. SmolLM2's ChatML: describe the tools ourselves
+        rendered[0]["content"] += tools_prompt([s["function"] for s in schemas])
+    return tok.encode(tok.render(rendered, schemas, add_generation_prompt=True))
+
+
+def observation_ids(tok: Tokenizer, text: str, eos_text: str) -> list[int]:
+    """The ids appended after a reply for a tool's observation `text` and the next
+    generation prompt (`eos_text`: see Agent.observe)."""
+    if tok.supports_tools:
+        role, content = "tool", text
+    else:
+        role, content = "user", f"<tool_response>\n{text}\n</tool_response>"
+    delta = turn_delta(
+        lambda m, g: tok.render(m, None, add_generation_prompt=g), role, content, eos_text
+    )
+    return tok.encode(delta)
 
 
 def _now() -> float:
@@ -121,13 +154,8 @@ class Agent:
     def start(self) -> None:
         tok = self.engine.tokenizer
         schemas = self.tool_schemas = [schema(t) for t in self.tools.values()]
-        self.messages = [as_message(m) for m in self.task.messages]
-        if self.messages[0]["role"] != "system":
-            self.messages.insert(0, message("system", DEFAULT_SYSTEM))
-        rendered = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        if not tok.supports_tools:  # e.g. SmolLM2's ChatML: describe the tools ourselves
-            rendered[0]["content"] += tools_prompt([s["function"] for s in schemas])
-        self.ids = tok.encode(tok.render(rendered, schemas, add_generation_prompt=True))
+        self.messages = opening_messages(self.task)
+        self.ids = opening_ids(tok, self.messages, schemas)
         self.prompt_len = len(self.ids)
         # The loop depends on replies ending where the call closes, whatever the task asked.
         stop = tuple(dict.fromkeys((*self.sampling.stop, STOP)))
@@ -211,15 +239,7 @@ class Agent:
         """Append the observation turn. `eos_text`: the end-of-turn token the reply ended on
         (already in self.ids), or "" if it ended otherwise. `call_id`, `tool`: the call this
         answers (None when the reply held no valid call)."""
-        tok = self.engine.tokenizer
-        if tok.supports_tools:
-            role, content = "tool", text
-        else:
-            role, content = "user", f"<tool_response>\n{text}\n</tool_response>"
-        delta = turn_delta(
-            lambda m, g: tok.render(m, None, add_generation_prompt=g), role, content, eos_text
-        )
-        delta_ids = tok.encode(delta)
+        delta_ids = observation_ids(self.engine.tokenizer, text, eos_text)
         # Leave room for at least a short reply; otherwise the next request cannot fit.
         if len(self.ids) + len(delta_ids) + 16 >= self.engine.context_limit:
             raise ContextLimit(

@@ -107,3 +107,49 @@ def test_sim_model_answers_each_step_with_the_trace():
         ids = ids + out + tok.encode("\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
         out = model(ids)
     assert '"submit"' in tok.decode(out)
+
+
+@pytest.mark.parametrize("system", [16, 0])
+def test_as_sent_is_what_the_runner_sends_the_engine(tmp_path, system):
+    # every request of a real simulated run, prompt and reply, step by step, is the trace
+    # as sent: the runner's template and tool instructions counted; replies shorter than
+    # their tool call in the trace are the call's length
+    from runner.policies import make_policy
+    from runner.sim.engine import deployment
+    from runner.sim.simulate import simulate
+
+    w = synthetic("tiny", seed=5, agents=6, steps=(1, 8), system=system, gen=(5, 60))
+    d = deployment("tiny-cpu")
+    sent = w.as_sent(d.max_context, d.pool_tokens, 4096)
+    assert sent is not None and sent.system_tokens > system  # the tool instructions too
+    r = simulate(w, "tiny-cpu", make_policy("agent-cap:2"), tmp_path / "r")
+    logs = {
+        rec["task_id"]: rec["step_log"]
+        for rec in map(json.loads, (tmp_path / "r" / "trajectories.jsonl").read_text().splitlines())
+    }
+    longer = 0
+    for a, trace in zip(sent.agents, w.agents, strict=True):
+        ctx, expect = sent.system_tokens + a.prompt_tokens, []
+        for s, t in zip(a.steps, trace.steps, strict=True):
+            expect.append((ctx, s.gen_tokens))
+            ctx += s.gen_tokens + s.obs_tokens
+            longer += s.gen_tokens > t.gen_tokens
+            assert s.gen_tokens >= t.gen_tokens and s.tool_seconds == t.tool_seconds
+        got = [(x["prompt_tokens"], x["completion_tokens"]) for x in logs[a.id]]
+        assert got == expect, a.id
+        assert r.work[a.id][1] == sent.system_tokens + a.total_tokens()
+    assert longer  # the case is exercised
+    # a later agent's first prompt is served from the shared prefix at least
+    assert max(log[0]["cached_tokens"] for log in logs.values()) >= sent.system_tokens
+
+
+def test_as_sent_is_none_where_a_request_would_not_be_served_whole():
+    from runner.sim.oracle import lower_bound
+
+    w = synthetic("tiny", seed=5, agents=3, steps=(2, 4))
+    final = max(w.system_tokens + a.total_tokens() for a in w.agents)
+    assert w.as_sent(final + 5000, 10**6, 4096) is not None
+    assert w.as_sent(final + 100, 10**6, 4096) is None  # prompt + max_new past the context
+    assert w.as_sent(10**6, final, 64) is None  # past the pool's longest request
+    # the bound then counts the trace's own tokens, as before
+    assert lower_bound(w, "tiny-cpu", context_limit=final + 100)["as_sent"] is False

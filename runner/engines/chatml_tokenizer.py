@@ -46,12 +46,17 @@ class ChatMLTokenizer:
     def __init__(self) -> None:
         self.template = ChatTemplate(CHATML)
         self._words: dict[int, str] = {v: k for k, v in SPECIALS.items()}
+        self._ids: dict[str, int] = {}  # word -> id, of the words seen
 
     def _word_id(self, w: str) -> int:
+        wid = self._ids.get(w)
+        if wid is not None:  # the same few words recur in every prompt: hash each once
+            return wid
         wid = 16 + int.from_bytes(hashlib.blake2b(w.encode(), digest_size=5).digest(), "big")
         known = self._words.setdefault(wid, w)
         if known != w:  # 2^40 ids: a collision would silently merge two words
             raise ValueError(f"sim tokenizer hash collision: {known!r} vs {w!r}")
+        self._ids[w] = wid
         return wid
 
     def encode(self, text: str) -> list[int]:

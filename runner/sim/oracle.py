@@ -28,8 +28,11 @@ admission needs min(max_new, 4096) free beyond the running requests' contexts an
 their reserves), and the memory term's decode iterations fit in the time the prefill leaves;
 both, like the engine term and the shared chain, for runs that never retract (every bench
 run). MoE decode iterations read the experts a batch adds (the concave chord).
-Each step produces its first token in its prefill and the rest in decode iterations. Template
-tokens the runner adds around each turn are left out, which only lowers the bound.
+Each step produces its first token in its prefill and the rest in decode iterations. For a
+batch run through the runner (the default), the bound is taken over the prompts the runner
+sends (`Workload.as_sent`: its chat template and tool instructions counted exactly, the shared
+prefix once); a driver without the runner, or a trace with a request the engine would not
+serve whole, gets the bound over the trace's own tokens, which leaves them out.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.
 """
 
@@ -113,25 +116,26 @@ def _prefill_room(fresh: int) -> int:
     return CHUNK - 1 if fresh == 1 else 2 * CHUNK - 2
 
 
-def longest_prompt(workload: Workload, agent: int) -> int:
+def longest_prompt(workload: Workload, agent: int, template: bool = True) -> int:
     """At most what any request of an agent holds: its final context (the shared prompt
-    included) plus the runner's template tokens."""
+    included) plus, unless the workload counts them already (`template` False: a trace
+    as sent), the runner's template tokens."""
     a = workload.agents[agent]
-    template = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps)
-    return workload.system_tokens + a.total_tokens() + template
+    extra = TEMPLATE_ONCE + TEMPLATE_PER_TURN * len(a.steps) if template else 0
+    return workload.system_tokens + a.total_tokens() + extra
 
 
-def _reserve(workload: Workload, cost: CostModel, agent: int) -> int:
+def _reserve(workload: Workload, cost: CostModel, agent: int, template: bool = True) -> int:
     """A floor on min(max_new_tokens, 4096) of every request of an agent, which the engine
     clips to min(context, pool) - 2 - prompt: its prompts are at most `longest_prompt`. 0
     (no credit) where the clip could bind."""
     limit = min(cost.d.max_context, cost.d.pool_tokens) - 2
-    longest = longest_prompt(workload, agent)
+    longest = longest_prompt(workload, agent, template)
     want = min(MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
     return want if limit - longest >= want else 0
 
 
-def _totals(workload: Workload, cost: CostModel) -> _Totals:
+def _totals(workload: Workload, cost: CostModel, template: bool = True) -> _Totals:
     tot = _Totals()
     sys_tokens = workload.system_tokens
     if sys_tokens:
@@ -141,7 +145,7 @@ def _totals(workload: Workload, cost: CostModel) -> _Totals:
         start, ctx = sys_tokens, sys_tokens + a.prompt_tokens  # this step's fresh prefill
         chain = hidden = tools = compute = slack = 0.0
         decode, reads, admission, fresh, room = tot.decode, tot.reads, tot.admission, tot.fresh, 0
-        reserve = _reserve(workload, cost, agent)
+        reserve = _reserve(workload, cost, agent, template)
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
@@ -192,14 +196,23 @@ def lower_bound(
     deployment: str,
     host_tier: bool = False,
     pcie_bytes_per_s: float | None = None,
+    through_runner: bool = True,
     **deployment_overrides: Any,
 ) -> dict:
     """host_tier: evicted KV can be reloaded from host memory (HiCache, at pcie_bytes_per_s
     per GPU, default the preset's) where that is cheaper than recomputing it; the host
-    tier's size is not a constraint here, which only lowers the bound."""
+    tier's size is not a constraint here, which only lowers the bound. through_runner: the
+    batch runs through the runner (simulate, run.py --engine sim), so the bound is taken
+    over the prompts it sends (`Workload.as_sent`: its chat template and tool instructions
+    counted exactly) wherever every request is served whole; False (or where one is not):
+    over the trace's own tokens, as a driver without the runner sends them."""
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep, pcie_bytes_per_s)
-    tot = _totals(workload, cost)
+    sent = None
+    if through_runner:
+        sent = workload.as_sent(dep.max_context, dep.pool_tokens, MAX_NEW_TOKENS)
+        workload = sent or workload
+    tot = _totals(workload, cost, template=workload is not sent)
     sys_tokens, capacity = workload.system_tokens, dep.pool_tokens
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
     chunks = math.ceil(tot.fresh / CHUNK)
@@ -250,6 +263,7 @@ def lower_bound(
         "longest_chain_seconds": round(chain, 3),
         "shared_chain_seconds": round(shared, 3),
         "decode_iterations_min": max(min_iters, iters),
+        "as_sent": workload is sent,
     }
 
 

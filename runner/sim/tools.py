@@ -13,6 +13,8 @@ from typing import Any
 from tools.core import Observation, Tool, ToolContext
 from tools.submit import Submit
 
+from ..engines.chatml_tokenizer import span
+
 
 @dataclass
 class SimTool:
@@ -35,7 +37,7 @@ class SimTool:
         if seconds < 0 or tokens < 0 or seed < 1:
             return Observation("sim_tool: seconds and tokens must be >= 0, seed >= 1", ok=False)
         await asyncio.sleep(seconds)
-        return Observation(f"⟦{tokens}:{seed}⟧")
+        return Observation(span(tokens, seed))
 
 
 class NullSandbox:

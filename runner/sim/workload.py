@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.core import schema
+
+from ..agent import observation_ids, opening_ids, opening_messages
 from ..engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span, span_ids
 from ..tasks import Task
 from ..toolcall import format_call
+from .tools import SIM_TOOLS
 
 SYSTEM_SEED = 0
 TRACE_FORMAT = "concur-trace"
@@ -159,6 +163,51 @@ class Workload:
     def tokens_per_agent(self) -> dict[str, int]:
         return {a.id: a.total_tokens() for a in self.agents}
 
+    def as_sent(self, context_limit: int, pool_tokens: int, max_new: int) -> Workload | None:
+        """This trace as the simulated engine receives it through the runner: per agent, its
+        opening prompt and every reply and observation turn in the runner's own ids
+        (runner.agent's opening_ids and observation_ids, and the simulated model's replies:
+        a step whose trace generates fewer tokens than its tool call takes the call's); the
+        shared prefix is what every opening prompt begins with (the system prompt and the
+        tool instructions). None if some request would not be served whole with `max_new`
+        (its prompt, max_new or the reply past the engine's limits, or an observation past
+        the runner's): the trace's agents would then not all finish."""
+        tok = ChatMLTokenizer()
+        model, tasks = SimModel(self, tok), self.tasks()
+        schemas = [schema(SIM_TOOLS[name]()) for name in tasks[0].tools or ()]
+        longest = min(context_limit, pool_tokens) - 1  # SGLang's max_req_len (scheduler.py)
+        # an observation turn's ids beyond its span's (a span is one piece of any length)
+        turn = len(observation_ids(tok, span(0, 1), tok.token_text(EOS_ID)))
+        sent: list[tuple[list[int], list[Step]]] = []
+        for i, (a, task) in enumerate(zip(self.agents, tasks, strict=True)):
+            opening = opening_ids(tok, opening_messages(task), schemas)
+            n, steps = len(opening), []  # n: the agent's context so far
+            for k, s in enumerate(a.steps):
+                out = len(model.reply(i, k))
+                if n + max_new >= context_limit or n > longest - 5 or out > longest - n - 1:
+                    return None
+                obs = turn + s.obs_tokens if k < len(a.steps) - 1 else 0
+                if obs and n + out + obs + 16 >= context_limit:
+                    return None
+                n += out + obs
+                steps.append(Step(out, s.tool_seconds, obs))
+            sent.append((opening, steps))
+        shared = _common_prefix([opening for opening, _ in sent])
+        agents = [
+            AgentTrace(a.id, len(opening) - shared, steps)
+            for a, (opening, steps) in zip(self.agents, sent, strict=True)
+        ]
+        return Workload(f"{self.name} (as sent)", shared, agents, self.params)
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    """How many leading ids all of `seqs` share (less one where that is all of the
+    shortest: an agent's prompt keeps a token of its own)."""
+    first, n = seqs[0], min(map(len, seqs))
+    for other in seqs[1:]:
+        n = next((j for j in range(n) if other[j] != first[j]), n)
+    return n - 1 if n and n == min(map(len, seqs)) else n
+
 
 def _agent_word(i: int) -> str:
     return f"agent-{i}"
@@ -188,8 +237,12 @@ class SimModel:
             agent = self._agent_of[prompt[prompt.index(self._user, self._find_from) + 2]]
         except (ValueError, KeyError, IndexError):
             raise ValueError("sim model: the prompt names no agent of the workload") from None
+        return self.reply(agent, prompt.count(self._assistant) - 1)  # turns before this one
+
+    def reply(self, agent: int, k: int) -> list[int]:
+        """The ids agent `agent` generates at step k (0-based; from its last step on, its
+        submit): its padding, its tool call, the end of turn."""
         trace = self.w.agents[agent]
-        k = prompt.count(self._assistant) - 1  # assistant turns before this one
         call: dict[str, Any]
         if k >= len(trace.steps) - 1:
             call = {"name": "submit", "arguments": {"answer": "done"}}
@@ -201,13 +254,18 @@ class SimModel:
                 "arguments": {
                     "seconds": s.tool_seconds,
                     "tokens": s.obs_tokens,
-                    "seed": _seed(agent, k + 1) + 512,
+                    "seed": observation_seed(agent, k),
                 },
             }
         call_ids = self.tok.encode(format_call(call["name"], call["arguments"]))
         pad = trace.steps[k].gen_tokens - len(call_ids) - 1
         filler = span_ids(pad, _seed(agent, k + 1)) if pad > 0 else []
         return [*filler, *call_ids, EOS_ID]
+
+
+def observation_seed(agent: int, k: int) -> int:
+    """The span seed of agent `agent`'s observation after step k (0-based)."""
+    return _seed(agent, k + 1) + 512
 
 
 # ---- seeded synthetic workloads ---------------------------------------------------------

@@ -101,7 +101,12 @@ class Segment:
             b = self.blocks[-1]  # the common case (a new holder, a new waiter): at the end
             b.keys.append(key)
             b.items.append(a)
-            b.gain(a)
+            b.total += a.context
+            if a.context < b.low:
+                b.low = a.context
+            if a.in_call:
+                b.calls += 1
+                b.call_total += a.context
             a.block = b
             self._maxes[-1] = key
             return
@@ -664,6 +669,8 @@ class _FitPast:
         """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent
         past it) is within the two paths' rounding of the budget: then None."""
         slack = (self._n + 8) * 2.0**-50 * (abs(budget) + self._scale)
+        if not math.isfinite(slack):  # an infinite budget: nothing to bound the roundings by
+            return None
         if count and within > budget - slack:
             return None
         if over is not None and over <= budget + slack:

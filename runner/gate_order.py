@@ -646,9 +646,38 @@ class _FitPast:
         j = bisect.bisect_right(range(len(blocks)), budget, key=lambda j: ints[j] + kept[j] * extra)
         if j == len(blocks):
             return self._checked(budget, ks[-1], ints[-1] + kept[-1] * extra, None)
-        # in block j, its members' terms (0 for the dropped ones) on from the blocks before
-        b, shared, past = blocks[j], self._shared, self._past
-        items = b.items
+        # in block j, its members' totals on from the blocks before
+        b, before = blocks[j], (ks[j - 1] if j else 0)
+        start = (ints[j - 1], kept[j - 1]) if j else (0, 0)
+        if b.low >= self._shared and not (j < len(self._counts) and self._counts[j]):
+            return self._within_plain(b, budget, before, *start)
+        return self._within_dropping(b, j, budget, before, *start)
+
+    def _within_plain(self, b: Block, budget: float, before: int, t0: int, m0: int) -> int | None:
+        """The count where block `b` (no member dropped, none below `shared`) holds the
+        first total over the budget: its members read lazily, only up to that one (they are
+        cold in memory; a block is up to 2 x LOAD of them). The same totals as `terms`
+        summed in `_within_dropping`, so the same count."""
+        extra, shared = self._extra, self._shared
+        sums = itertools.accumulate(
+            map(operator.sub, map(_context, b.items), itertools.repeat(shared)), initial=t0
+        )
+        counts = map(operator.mul, itertools.count(m0), itertools.repeat(extra))
+        totals = map(operator.add, sums, counts)
+        within, over, i = next(totals), None, 0  # the blocks before: within (see __call__)
+        for total in totals:
+            if total > budget:
+                over = total
+                break
+            within, i = total, i + 1
+        return self._checked(budget, before + i, within, over)
+
+    def _within_dropping(
+        self, b: Block, j: int, budget: float, before: int, t0: int, m0: int
+    ) -> int | None:
+        """`_within_plain` where some member of block `b` (the j-th) is dropped or below
+        `shared`: its terms (0 for the dropped ones) summed in full, then bisected."""
+        extra, shared, past, items = self._extra, self._shared, self._past, b.items
         if b.low >= shared:
             terms = list(map(operator.sub, map(_context, items), itertools.repeat(shared)))
         else:
@@ -658,12 +687,11 @@ class _FitPast:
             for i in itertools.compress(itertools.count(), map(_in_call, items)):
                 if past(items[i].tool_since):
                     terms[i] = counted[i] = 0
-        t = list(itertools.accumulate(terms, initial=ints[j - 1] if j else 0))
-        m = list(itertools.accumulate(counted, initial=kept[j - 1] if j else 0))
+        t = list(itertools.accumulate(terms, initial=t0))
+        m = list(itertools.accumulate(counted, initial=m0))
         i = bisect.bisect_right(range(1, len(t)), budget, key=lambda i: t[i] + m[i] * extra)
         # t[i] + ... is the total of the count's agents; t[i + 1] + ... of one more (over)
-        count = (ks[j - 1] if j else 0) + i
-        return self._checked(budget, count, t[i] + m[i] * extra, t[i + 1] + m[i + 1] * extra)
+        return self._checked(budget, before + i, t[i] + m[i] * extra, t[i + 1] + m[i + 1] * extra)
 
     def _checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
         """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -543,12 +544,12 @@ class _RemainingTime:
         return spent if n == 0 else float(_mean_excess(self._suffix[i], n, spent))
 
     def first_above(self, x: float) -> float:
-        np, d, suffix, m = self._np, self._d, self._suffix, len(self._d)
-        if m and _mean_excess(suffix[0], m, 0.0) > x:  # every call, as one just begun
+        d, suffix, m = self._d, self._suffix, len(self._d)
+        # every call, as one just begun (a Python float: the same IEEE operations as numpy's)
+        if m and _mean_excess(float(suffix[0]), m, 0.0) > x:
             return 0.0
         # just past d[j] (the last of equal durations): the calls longer than it
-        longer = np.arange(m - 1, 0, -1)
-        above = _mean_excess(suffix[1:m], longer, d[:-1]) > x
+        above = _mean_excess(suffix[1:m], _longer(m), d[:-1]) > x
         above &= d[1:] != d[:-1]
         first = int(above.argmax()) if m > 1 else 0  # the first True (0 if none)
         if m > 1 and above[first]:
@@ -557,6 +558,15 @@ class _RemainingTime:
         if m and d[-1] > x:
             return float(d[-1])
         return math.nextafter(x, math.inf)
+
+
+@functools.lru_cache(maxsize=4)
+def _longer(m: int) -> Any:
+    """m - 1, m - 2, ..., 1 as a read-only numpy array: the count of calls longer than each
+    but the last of m durations, the same every period once m durations are kept."""
+    out = _numpy().arange(m - 1, 0, -1)
+    out.flags.writeable = False
+    return out
 
 
 def _numpy() -> types.ModuleType:

@@ -6,8 +6,9 @@
 Prints microseconds (this thread's CPU time) per admission check (the hot path: an admitted
 agent between steps), per admission of a waiting agent, per pause/resume cycle, and per
 control update (signals -> policy -> resize -> control line; aimd, wset, and wset2 with
-holders in long tool calls; the mean over 200 periods, which counts the few that move
-thousands of agents, and the median; and the agents a period moves), and writes
+holders in long tool calls, and wset2 with ~900 holders past the drop time every period;
+the mean over 200 periods, which counts the few that move thousands of agents, and the
+median; and the agents a period moves), and writes
 bench/results/gate.json (or --out), with each figure's fastest and slowest repeat. Each
 repeat runs in a fresh process; with --baseline, the `runner` package of a git ref (e.g.
 main) is measured too, interleaved with this one, so both see the same machine load.

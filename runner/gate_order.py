@@ -30,6 +30,17 @@ from typing import Any, Protocol
 
 LOAD = 128  # block size: blocks split above 2 x LOAD and merge below LOAD / 2
 
+_block = operator.attrgetter("block")
+_block_keys = operator.attrgetter("block.keys")
+_context = operator.attrgetter("context")
+_in_call = operator.attrgetter("in_call")
+_calls = operator.attrgetter("calls")
+_call_total = operator.attrgetter("call_total")
+_sort_key = operator.attrgetter("sort_key")
+_keys = operator.attrgetter("keys")
+_low = operator.attrgetter("low")
+_total = operator.attrgetter("total")
+
 
 class Member(Protocol):
     """What the structure needs of an agent (the gate's `_Agent` has these)."""
@@ -44,15 +55,19 @@ class Member(Protocol):
 class Block:
     __slots__ = ("call_total", "calls", "items", "keys", "low", "segment", "total")
 
-    def __init__(self, segment: Segment | None, items: list[Any], keys: list[Any]) -> None:
+    def __init__(
+        self, segment: Segment | None, items: list[Any], keys: list[Any], calls: bool = True
+    ) -> None:
+        """`calls`: whether any of `items` may be in a tool call (False: none is, skip them)."""
         self.segment = segment
         self.items = items  # the members, in key order
         self.keys = keys  # their sort keys (unique within a segment)
-        self.total = sum(a.context for a in items)
-        self.low = min((a.context for a in items), default=0)  # <= every member's context
+        contexts = list(map(_context, items))
+        self.total = sum(contexts)
+        self.low = min(contexts, default=0)  # <= every member's context
         # the members in a tool call (`in_call`): how many, and their contexts summed (what
         # `ToolsView.fit_dropping` reads instead of walking the holders it drops)
-        in_call = [a.context for a in items if a.in_call]
+        in_call = list(itertools.compress(contexts, map(_in_call, items))) if calls else []
         self.calls, self.call_total = len(in_call), sum(in_call)
 
     def gain(self, a: Member) -> None:
@@ -259,12 +274,12 @@ class Segment:
         computed); the other keeps its block, and its bound, still below its members."""
         b = self.blocks[i]
         if at <= len(b.keys) // 2:  # the head leaves
-            part = Block(self, b.items[:at], b.keys[:at])
+            part = Block(self, b.items[:at], b.keys[:at], b.calls > 0)
             del b.items[:at], b.keys[:at]
             self.blocks.insert(i, part)
             self._maxes.insert(i, part.keys[-1])
         else:  # the tail leaves
-            part = Block(self, b.items[at:], b.keys[at:])
+            part = Block(self, b.items[at:], b.keys[at:], b.calls > 0)
             del b.items[at:], b.keys[at:]
             self.blocks.insert(i + 1, part)
             self._maxes[i] = b.keys[-1]
@@ -407,18 +422,6 @@ class _Fit:
         return k + bisect.bisect_right(
             range(1, len(inner)), budget, key=lambda i: inner[i] + (k + i) * per
         )
-
-
-_block = operator.attrgetter("block")
-_block_keys = operator.attrgetter("block.keys")
-_context = operator.attrgetter("context")
-_in_call = operator.attrgetter("in_call")
-_calls = operator.attrgetter("calls")
-_call_total = operator.attrgetter("call_total")
-_sort_key = operator.attrgetter("sort_key")
-_keys = operator.attrgetter("keys")
-_low = operator.attrgetter("low")
-_total = operator.attrgetter("total")
 
 
 def _floor(items: list[Any], shared: int) -> Iterator[int]:

@@ -610,25 +610,29 @@ class _FitPast:
         """`counts` and `sums`: the dropped members of the first blocks (`_dropped`)."""
         self._blocks, self._counts, self._past = blocks, counts, past
         self._extra, self._shared = extra, shared
-        sizes = list(map(len, map(_keys, blocks)))
-        times_shared = (operator.mul, itertools.repeat(shared))
         lost: Iterator[int]
         if min(map(_low, blocks)) >= shared:  # every term max(c, shared) is c: from the sums
-            floored = list(map(_total, blocks))
-            lost = map(operator.sub, sums, map(*times_shared, counts))
+            floored = map(_total, blocks)
+            lost = map(operator.sub, sums, map(operator.mul, counts, itertools.repeat(shared)))
         else:
-            floored = [_floored(b, shared) for b in blocks]
+            floored = map(_floored, blocks, itertools.repeat(shared))
             lost = map(self._dropped_floored, blocks, counts, sums)
-        # each block's integer part and count of the members not dropped, summed on
-        ints = map(operator.sub, floored, map(*times_shared, sizes))
-        ints = map(operator.sub, ints, itertools.chain(lost, itertools.repeat(0)))
-        kept = map(operator.sub, sizes, itertools.chain(counts, itertools.repeat(0)))
-        self._ints = list(itertools.accumulate(ints))
-        self._kept = list(itertools.accumulate(kept))
-        self._ks = list(itertools.accumulate(sizes))
+        # running sums by block: of max(c, shared), of the agents, of the dropped ones and of
+        # their terms' integer parts (these over the holder blocks, where all dropped ones are)
+        self._sums = list(itertools.accumulate(floored))
+        self._ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
+        self._lost_n = list(itertools.accumulate(counts))
+        self._lost = list(itertools.accumulate(lost))
         n = self._ks[-1]
         # |every sum either path forms| <= this: the budget, all terms, and k x |per|
-        self._scale, self._n = sum(floored) + n * (extra + shared), n
+        self._scale, self._n = self._sums[-1] + n * (extra + shared), n
+
+    def _through(self, j: int) -> tuple[int, int]:
+        """Through block j: the integer part of the totals of the agents not dropped, and
+        how many they are."""
+        h = min(j, len(self._lost) - 1)
+        ks = self._ks[j]
+        return self._sums[j] - ks * self._shared - self._lost[h], ks - self._lost_n[h]
 
     def _dropped_floored(self, b: Block, n: int, total: int) -> int:
         """The dropped members' sum of max(c, shared) - shared in block `b` (n of them,
@@ -643,15 +647,19 @@ class _FitPast:
         )
 
     def __call__(self, budget: float) -> int | None:
-        ints, kept, ks, extra = self._ints, self._kept, self._ks, self._extra
-        blocks = self._blocks
+        ks, extra, blocks = self._ks, self._extra, self._blocks
+
+        def total(j: int) -> float:  # of the agents through block j
+            ints, kept = self._through(j)
+            return ints + kept * extra
+
         # the whole blocks within the budget (the totals grow monotonically)
-        j = bisect.bisect_right(range(len(blocks)), budget, key=lambda j: ints[j] + kept[j] * extra)
+        j = bisect.bisect_right(range(len(blocks)), budget, key=total)
         if j == len(blocks):
-            return self._checked(budget, ks[-1], ints[-1] + kept[-1] * extra, None)
+            return self._checked(budget, ks[-1], total(j - 1), None)
         # in block j, its members' totals on from the blocks before
         b, before = blocks[j], (ks[j - 1] if j else 0)
-        start = (ints[j - 1], kept[j - 1]) if j else (0, 0)
+        start = self._through(j - 1) if j else (0, 0)
         if b.low >= self._shared and not (j < len(self._counts) and self._counts[j]):
             return self._within_plain(b, budget, before, *start)
         return self._within_dropping(b, j, budget, before, *start)

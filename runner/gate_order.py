@@ -660,34 +660,12 @@ class _FitPast:
         # in block j, its members' totals on from the blocks before
         b, before = blocks[j], (ks[j - 1] if j else 0)
         start = self._through(j - 1) if j else (0, 0)
-        if b.low >= self._shared and not (j < len(self._counts) and self._counts[j]):
-            return self._within_plain(b, budget, before, *start)
-        return self._within_dropping(b, j, budget, before, *start)
+        return self._within(b, j, budget, before, *start)
 
-    def _within_plain(self, b: Block, budget: float, before: int, t0: int, m0: int) -> int | None:
-        """The count where block `b` (no member dropped, none below `shared`) holds the
-        first total over the budget: its members read lazily, only up to that one (they are
-        cold in memory; a block is up to 2 x LOAD of them). The same totals as `terms`
-        summed in `_within_dropping`, so the same count."""
-        extra, shared = self._extra, self._shared
-        sums = itertools.accumulate(
-            map(operator.sub, map(_context, b.items), itertools.repeat(shared)), initial=t0
-        )
-        counts = map(operator.mul, itertools.count(m0), itertools.repeat(extra))
-        totals = map(operator.add, sums, counts)
-        within, over, i = next(totals), None, 0  # the blocks before: within (see __call__)
-        for total in totals:
-            if total > budget:
-                over = total
-                break
-            within, i = total, i + 1
-        return self._checked(budget, before + i, within, over)
-
-    def _within_dropping(
-        self, b: Block, j: int, budget: float, before: int, t0: int, m0: int
-    ) -> int | None:
-        """`_within_plain` where some member of block `b` (the j-th) is dropped or below
-        `shared`: its terms (0 for the dropped ones) summed in full, then bisected."""
+    def _within(self, b: Block, j: int, budget: float, before: int, t0: int, m0: int) -> int | None:
+        """The count where block `b` (the j-th; `before` agents, totals `t0` + `m0` x extra
+        before it) holds the first total over the budget: its members' terms (0 for the
+        dropped ones) on from the blocks before, then bisected."""
         extra, shared, past, items = self._extra, self._shared, self._past, b.items
         if b.low >= shared:
             terms = list(map(operator.sub, map(_context, items), itertools.repeat(shared)))

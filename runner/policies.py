@@ -532,7 +532,7 @@ class _RemainingTime:
         m = len(d)
         self._suffix = suffix = np.zeros(m + 1)
         if m:
-            np.cumsum(d[::-1], out=suffix[m - 1 :: -1])
+            d[::-1].cumsum(out=suffix[m - 1 :: -1])  # the method: no wrapper call
 
     def median(self) -> float:
         """The middle duration (of an even count, the upper of the two)."""

@@ -550,8 +550,10 @@ class _RemainingTime:
             return 0.0
         # just past d[j] (the last of equal durations): the calls longer than it
         above = _mean_excess(suffix[1:m], _longer(m), d[:-1]) > x
-        above &= d[1:] != d[:-1]
         first = int(above.argmax()) if m > 1 else 0  # the first True (0 if none)
+        if m > 1 and above[first] and d[first + 1] == d[first]:  # not the last of its ties:
+            above &= d[1:] != d[:-1]  # the first among the last of equal durations, then
+            first = int(above.argmax())
         if m > 1 and above[first]:
             return float(d[first])
         # beyond every finished call the expected remainder is the time spent

@@ -479,7 +479,7 @@ class WorkingSet2:
         cap = _resume_cap(s, host_counted, self.reload_share)
         if cap is not None and cap < d.window:
             d = Decision(cap, "fit:reload-cap")
-        return dataclasses.replace(d, order=FAIR) if self._spread(calls, capacity, per) else d
+        return Decision(d.window, d.branch, FAIR) if self._spread(calls, capacity, per) else d
 
     def _drop_after(
         self, calls: _RemainingTime | None, capacity: float, per: float | None

@@ -595,7 +595,7 @@ class _FitPast:
     the blocks' running totals, then one within the block where the budget runs out (its
     dropped members found there by their calls). `_fit_dropping` sums the same terms as
     floats in another order: the two differ at most by the roundings of such sums
-    (`_slack`), so where T at the count or just past it is that close to the budget, the
+    (`_checked`), so where T at the count or just past it is that close to the budget, the
     answer is None and the caller's float sums decide."""
 
     def __init__(

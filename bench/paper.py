@@ -124,6 +124,9 @@ ROBUSTNESS = {  # policy -> parameters: -50% and +100% of each default, on every
         "beta": (0.25, 1.0),
         "drop_factor": (0.5, 2.0),
         "fair_below": (1.5, 6.0),
+        "hold_seconds": (0.1, 0.4),
+        "hold_tokens": (4096, 16384),
+        "hold_min": (1.0, 4.0),
     },
     # the host-tier parameter moves nothing without a host tier: swept with one
     "wset2+hicache": {"reload_share": (0.25, 1.0)},

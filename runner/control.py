@@ -12,6 +12,7 @@ import asyncio
 import bisect
 import logging
 import statistics
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ from .ranked_gate import RankedGate
 
 log = logging.getLogger("concur")
 DEFAULT_CONTROL_PERIOD = 2.0  # seconds; the paper does not give its period
+# Signals.requests_per_second is taken over this many periods: a rate that lasts, not the
+# burst of agents back from tools that began together (at the start of a run)
+RATE_PERIODS = 10
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ControlStats:
     periods: int = 0
     branches: dict[str, int] = field(default_factory=dict)  # how often each branch fired
     orders: dict[str, int] = field(default_factory=dict)  # periods under a policy's own order
+    coalescing: int = 0  # periods with requests coalesced (Decision.coalesce)
     last: dict[str, Any] = field(default_factory=dict)  # the latest control line (progress)
 
 
@@ -89,6 +94,7 @@ class Controller:
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self.rank = rank  # the data-parallel rank this controller steers, if any
         self._tally = PeriodTally()
+        self._requests: deque[int] = deque(maxlen=RATE_PERIODS)  # per period, the latest
         self._first_cached: list[int] = []  # sorted: its median is read every period
         self._t0: float | None = None
         self.stats = ControlStats(windows=[gate.window])
@@ -105,6 +111,14 @@ class Controller:
         if fresh_tokens >= prompt_tokens and len(self._first_cached) < 1000:
             # an agent's first request: what it found cached is the prefix agents share
             bisect.insort(self._first_cached, cached_tokens)
+
+    def _rate(self, requests: int) -> float | None:
+        """Requests finished per second over the last RATE_PERIODS periods, this one's
+        `requests` included (None until that many have passed)."""
+        self._requests.append(requests)
+        if len(self._requests) < RATE_PERIODS:
+            return None
+        return sum(self._requests) / (RATE_PERIODS * self.period)
 
     def step(self) -> dict[str, Any]:
         """One control period: signals -> policy -> gate. Returns the period's line (`tick`
@@ -139,10 +153,12 @@ class Controller:
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
             shared_tokens=self._shared_tokens(),
+            requests_per_second=self._rate(tally.requests),
         )
         decision = self.policy.update(sig)
-        order = decision.order
+        order, hold = decision.order, decision.coalesce
         self.gate.use_rules(None if order is None else (order.pause, order.resume))
+        self.gate.coalesce(hold.seconds, hold.tokens) if hold else self.gate.coalesce(0.0, 0)
         after = self.gate.resize(decision.window)
         c = self.gate.counts()
         events = self.gate.drain_events()
@@ -155,6 +171,7 @@ class Controller:
             "h": sig.hit_rate,
             "branch": decision.branch,
             **({"order": str(order)} if order is not None else {}),
+            **({"coalesce_s": hold.seconds} if hold is not None else {}),
             "recompute": None if sig.recompute_rate is None else round(sig.recompute_rate, 4),
             "requests": tally.requests,
             **{k: c[k] for k in ("active", "paused", "pending", "finished")},
@@ -165,6 +182,7 @@ class Controller:
         self.stats.branches[decision.branch] = self.stats.branches.get(decision.branch, 0) + 1
         if order is not None:
             self.stats.orders[str(order)] = self.stats.orders.get(str(order), 0) + 1
+        self.stats.coalescing += hold is not None
         self.stats.last = line
         return line
 
@@ -214,6 +232,17 @@ class Controller:
             "resumes": self.gate.counters.resumes,
             "agent_seconds_paused": round(paused_s, 3),
             "agent_seconds_pending": round(pending_s, 3),
+            # requests held back to be sent together, and for how long (only if any period
+            # coalesced)
+            **(
+                {
+                    "coalescing_periods": self.stats.coalescing,
+                    "holds": self.gate.counters.holds,
+                    "agent_seconds_held": round(self.gate.counters.hold_seconds, 3),
+                }
+                if self.stats.coalescing
+                else {}
+            ),
         }
 
 

@@ -110,6 +110,8 @@ class ControlledGate(Protocol):
 
     def use_rules(self, rules: tuple[str, str] | None) -> None: ...
 
+    def coalesce(self, seconds: float, tokens: int) -> None: ...
+
     def counts(self) -> dict[str, int]: ...
 
     def contexts(self) -> ContextsView: ...
@@ -147,6 +149,8 @@ class _Agent:
 class GateCounters:
     pauses: int = 0
     resumes: int = 0
+    holds: int = 0  # requests held back to be sent together (Gate.coalesce)
+    hold_seconds: float = 0.0  # the time they were held, summed
     events: list[tuple[str, str]] = field(default_factory=list)  # (what, agent) since drain
 
 
@@ -195,6 +199,12 @@ class Gate:
         # otherwise wasted)
         self._track_tools = track_tools
         self._calls = ToolCalls(TOOL_DURATIONS_KEPT)
+        # coalescing (`coalesce`): holders back from a tool held until the oldest has waited
+        # _hold_seconds or they bring _hold_tokens new tokens, then sent together
+        self._hold_seconds, self._hold_tokens = 0.0, 0
+        self._held: list[tuple[asyncio.Future[None], float, int]] = []  # (waiter, since, tokens)
+        self._held_tokens = 0
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     # ---- what the agent loop calls -------------------------------------------------------
 
@@ -226,6 +236,8 @@ class Gate:
                     self._growth_tokens += context_tokens - old
             elif context_tokens < a.block.low:  # a context that shrank (rare)
                 a.block.low = context_tokens
+            if self._hold_seconds > 0 and old and context_tokens > old:  # back from a tool
+                await self._hold(context_tokens - old)
             return
         if context_tokens > old and old:
             self._growth_steps += 1
@@ -320,6 +332,15 @@ class Gate:
         self._fill()
         return self._window
 
+    def coalesce(self, seconds: float, tokens: int) -> None:
+        """From now on hold each slot holder that comes back from a tool (its context grown
+        since its last request) until the first held has waited `seconds` or the held ones'
+        growth reaches `tokens`, then let them all go at once, so that the engine prefills
+        them together (runner.policies.Coalesce); seconds 0: no holding (any held go now)."""
+        self._hold_seconds, self._hold_tokens = max(0.0, seconds), tokens
+        if not self._hold_seconds:
+            self._release_held()
+
     @property
     def rules(self) -> tuple[str, str]:
         """The pause and resume rules in effect (the configured ones, or a policy's)."""
@@ -408,6 +429,48 @@ class Gate:
         return paused, pending
 
     # ---- mechanism -----------------------------------------------------------------------
+
+    async def _hold(self, tokens: int) -> None:
+        """Wait with the other held holders (`coalesce`); on the loop's clock, which the
+        hold's timer keeps."""
+        if self._held_tokens + tokens >= self._hold_tokens:  # it completes them: all go now
+            self._release_held()
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (fut, loop.time(), tokens)
+        self._held.append(entry)
+        self._held_tokens += tokens
+        if self._hold_timer is None:
+            self._hold_timer = loop.call_later(self._hold_seconds, self._release_held)
+        try:
+            await fut
+        except asyncio.CancelledError:  # its agent was cancelled: it no longer waits
+            if entry in self._held:
+                first = self._held[0] is entry
+                self._held.remove(entry)
+                self._held_tokens -= tokens
+                if first and self._hold_timer is not None:  # the hold now runs from the next
+                    self._hold_timer.cancel()
+                    self._hold_timer = None
+                    if self._held:
+                        due = self._held[0][1] + self._hold_seconds
+                        self._hold_timer = loop.call_at(due, self._release_held)
+            raise
+
+    def _release_held(self) -> None:
+        held, self._held, self._held_tokens = self._held, [], 0
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if not held:
+            return
+        now = asyncio.get_running_loop().time()
+        for fut, since, _ in held:
+            if not fut.done():
+                fut.set_result(None)
+                self.counters.holds += 1
+                self.counters.hold_seconds += now - since
 
     def _clock(self) -> float:
         """Loop time; after the loop has closed (final summary), the last time seen."""

@@ -147,6 +147,9 @@ class RankView:
     def use_rules(self, rules: tuple[str, str] | None) -> None:
         self._gate.use_rules(rules)
 
+    def coalesce(self, seconds: float, tokens: int) -> None:
+        self._gate.coalesce(seconds, tokens)
+
     def counts(self) -> dict[str, int]:
         return self._gate.counts()
 

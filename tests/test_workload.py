@@ -143,13 +143,50 @@ def test_as_sent_is_what_the_runner_sends_the_engine(tmp_path, system):
     assert max(log[0]["cached_tokens"] for log in logs.values()) >= sent.system_tokens
 
 
-def test_as_sent_is_none_where_a_request_would_not_be_served_whole():
+def test_as_sent_ends_agents_where_the_runner_does_at_the_context_limit(tmp_path):
+    # a context limit some agents reach: the engine refuses a prompt that leaves no room for
+    # max_new, and the runner ends an agent whose next observation would not fit; the trace
+    # as sent stops each agent there, request for request as a simulated run does
+    from runner.policies import make_policy
+    from runner.sim.engine import deployment
+    from runner.sim.oracle import lower_bound
+    from runner.sim.simulate import simulate
+
+    w = synthetic("tiny", seed=5, agents=6, steps=(3, 8), system=16)
+    pool = deployment("tiny-cpu").pool_tokens
+    full = w.as_sent(10**6, pool, 4096)
+    finals = sorted(full.system_tokens + a.total_tokens() for a in full.agents)
+    limit = finals[2] + 4096  # the three longest agents do not get to their end
+    sent = w.as_sent(limit, pool, 4096)
+    cut = [a for a, b in zip(sent.agents, full.agents, strict=True) if a.steps != b.steps]
+    assert len(cut) == 3
+    r = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / "r",
+                 engine_options={"context_limit": limit})  # fmt: skip
+    logs = {
+        rec["task_id"]: rec
+        for rec in map(json.loads, (tmp_path / "r" / "trajectories.jsonl").read_text().splitlines())
+    }
+    for a in sent.agents:
+        ctx, expect = sent.system_tokens + a.prompt_tokens, []
+        for s in a.steps:
+            expect.append((ctx, s.gen_tokens))
+            ctx += s.gen_tokens + s.obs_tokens
+        got = [(x["prompt_tokens"], x["completion_tokens"]) for x in logs[a.id]["step_log"]]
+        assert got[: len(expect)] == expect, a.id
+        assert all(x[1] == 0 for x in got[len(expect) :]), a.id  # a refused request, if any
+    assert {logs[a.id]["status"] for a in cut} == {"context_limit"}
+    b = lower_bound(w, "tiny-cpu", context_limit=limit)
+    assert b["as_sent"] and r.sim_seconds >= b["bound_seconds"]
+
+
+def test_as_sent_is_none_where_the_engine_would_cut_a_reply_short():
     from runner.sim.oracle import lower_bound
 
-    w = synthetic("tiny", seed=5, agents=3, steps=(2, 4))
-    final = max(w.system_tokens + a.total_tokens() for a in w.agents)
-    assert w.as_sent(final + 5000, 10**6, 4096) is not None
-    assert w.as_sent(final + 100, 10**6, 4096) is None  # prompt + max_new past the context
-    assert w.as_sent(10**6, final, 64) is None  # past the pool's longest request
-    # the bound then counts the trace's own tokens, as before
-    assert lower_bound(w, "tiny-cpu", context_limit=final + 100)["as_sent"] is False
+    w = synthetic("tiny", seed=5, agents=3, steps=(2, 4), gen=(20, 40))
+    full = w.as_sent(10**6, 10**6, 64)
+    a = full.agents[0]
+    last = full.system_tokens + a.total_tokens() - a.steps[-1].gen_tokens  # its last prompt
+    # the pool's longest request (pool - 1) leaves that prompt 5 tokens: admitted, but its
+    # max_new clipped below its reply
+    assert w.as_sent(10**6, last + 6, 64) is None
+    assert lower_bound(w, "tiny-cpu", max_total_tokens=last + 6)["as_sent"] is False

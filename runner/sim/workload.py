@@ -169,9 +169,11 @@ class Workload:
         (runner.agent's opening_ids and observation_ids, and the simulated model's replies:
         a step whose trace generates fewer tokens than its tool call takes the call's); the
         shared prefix is what every opening prompt begins with (the system prompt and the
-        tool instructions). None if some request would not be served whole with `max_new`
-        (its prompt, max_new or the reply past the engine's limits, or an observation past
-        the runner's): the trace's agents would then not all finish."""
+        tool instructions). An agent ends where the runner ends it: at a request the engine
+        refuses (its prompt plus `max_new` at `context_limit`, or past the pool's longest
+        request), or after a reply whose observation would leave no room (the runner's own
+        check); its later steps are left out. None if the engine would clip a reply (the
+        agent would go on from a reply the trace does not have)."""
         tok = ChatMLTokenizer()
         model, tasks = SimModel(self, tok), self.tasks()
         schemas = [schema(SIM_TOOLS[name]()) for name in tasks[0].tools or ()]
@@ -184,11 +186,14 @@ class Workload:
             n, steps = len(opening), []  # n: the agent's context so far
             for k, s in enumerate(a.steps):
                 out = len(model.reply(i, k))
-                if n + max_new >= context_limit or n > longest - 5 or out > longest - n - 1:
-                    return None
+                if n + max_new >= context_limit or n > longest - 5:
+                    break  # the engine refuses the request: the agent ends (context_limit)
+                if out > longest - n - 1:
+                    return None  # the engine clips max_new below the reply: cut short
                 obs = turn + s.obs_tokens if k < len(a.steps) - 1 else 0
                 if obs and n + out + obs + 16 >= context_limit:
-                    return None
+                    steps.append(Step(out, s.tool_seconds, 0))
+                    break  # the runner ends the agent before sending the observation
                 n += out + obs
                 steps.append(Step(out, s.tool_seconds, obs))
             sent.append((opening, steps))

@@ -6,11 +6,13 @@
 Prints microseconds (this thread's CPU time) per admission check (the hot path: an admitted
 agent between steps), per admission of a waiting agent, per pause/resume cycle, and per
 control update (signals -> policy -> resize -> control line; aimd, wset, and wset2 with
-holders in long tool calls; the mean over 200 periods, which counts the few that move
-thousands of agents, and the median; and the agents a period moves), and writes
+holders in long tool calls, and wset2 with ~900 holders past the drop time every period;
+the mean over 200 periods, which counts the few that move thousands of agents, and the
+median; and the agents a period moves), and writes
 bench/results/gate.json (or --out), with each figure's fastest and slowest repeat. Each
 repeat runs in a fresh process; with --baseline, the `runner` package of a git ref (e.g.
-main) is measured too, interleaved with this one, so both see the same machine load.
+main) is measured too, interleaved with this one (which goes first alternating), so both
+see the same machine load.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ PERIODS = (
     "control_update_wset2_tools_us",
     "control_update_wset2_tools_median_us",
     "wset2_policy_update_us",
+    "control_update_wset2_dropping_us",
+    "control_update_wset2_dropping_median_us",
 )
 
 
@@ -236,6 +240,88 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     }
 
 
+async def wset2_dropping_periods(n: int, periods: int, warmup: int = 90) -> dict[str, float]:
+    """wset2 periods where hundreds of holders are past the drop time in every one, as in
+    the stress suite's slow-tools row: a gate of n agents, half held at first, on a clock
+    of its own; each 1-s period 150 holders go into a tool call at random instants, a tenth
+    of the calls taking 30-90 s and the rest 0.1-1.5 s, and the calls due back return within
+    the period (a step each, its context grown). The break-even is 20 s, so the drop time
+    settles about 1.2 s into a call and the ~900 holders in long calls are past it. The
+    first `warmup` periods (untimed) bring the calls in flight and the kept durations to
+    that steady state; the timed periods follow."""
+    try:
+        from runner.policies import WorkingSet2
+    except ImportError:  # a --baseline before wset2: nothing to measure
+        return {}
+    rng, now = random.Random(3), [0.0]
+    keys = [f"agent-{i}" for i in range(n)]
+    gate = Gate(n // 2, pause_rule="newest", resume_rule="newest", clock=lambda: now[0])
+    ctx = {k: rng.randint(2_000, 30_000) for k in keys}
+    tasks = [asyncio.create_task(gate.acquire(k, ctx[k])) for k in keys]
+    await asyncio.sleep(0)
+    capacity = int(sum(ctx[k] + 500 for k in keys[: n // 2]) / 0.9)
+    per_token = 20.0 / capacity  # the break-even: capacity x per_token = 20 s
+    stats = CacheStats(0.3, capacity, recompute_token_seconds=per_token)
+    ctl = Controller(gate, WorkingSet2(), lambda: stats, 1.0)
+    back_at: dict[str, float] = {}  # the holders in a call: when it returns
+    spent, dropped, moved = [], 0, 0
+    for p in range(warmup + periods):
+        for t, k, going in _call_events(rng, gate, keys, back_at, now[0]):
+            now[0] = t
+            if going:
+                gate.done_request(k)
+            else:  # a step, at once; a holder marked pauses there (not awaited)
+                ctx[k] += rng.randint(50, 400)
+                tasks.append(asyncio.create_task(gate.acquire(k, ctx[k])))
+                await asyncio.sleep(0)
+        now[0] = float(p + 1)
+        await asyncio.sleep(0)
+        ctl.record(3_000, 1_000, 3_000)
+        t = cpu()
+        ctl.step()
+        if p < warmup:
+            continue
+        spent.append(cpu() - t)
+        moved += _moved(ctl.stats.last)
+        tools, after = _tool_signals(gate, capacity * per_token)
+        dropped += (
+            len(tools.held_past(after))
+            if hasattr(tools, "held_past")
+            else sum(t > 0 and t >= after for t in tools["held_tool_seconds"])
+        )
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        **_named("control_update_wset2_dropping", spent),
+        "control_update_wset2_dropping_agents_per_period": moved / periods,
+        "wset2_dropping_holders_dropped_per_period": dropped / periods,
+    }
+
+
+def _call_events(
+    rng: random.Random, gate: Gate, keys: list[str], back_at: dict[str, float], start: float
+) -> list[tuple[float, str, bool]]:
+    """One period's tool-call events, (time, agent, going into a call), in time order: 150
+    holders not in a call (picked at random) go into one at a random instant, to return
+    after its duration, and every call due within [start, start + 1) returns (`back_at`
+    updated)."""
+    going: dict[str, float] = {}
+    while len(going) < 150:  # rejection sampling: cheaper than listing the free holders
+        k = keys[rng.randrange(len(keys))]
+        if k not in back_at and k not in going and gate.state(k) == "active":
+            going[k] = start + rng.random()
+    for k, t in going.items():
+        long = rng.random() < 0.1
+        back_at[k] = t + (rng.uniform(30.0, 90.0) if long else rng.uniform(0.1, 1.5))
+    events = [(t, k, True) for k, t in going.items()]
+    events += [(t, k, False) for k, t in back_at.items() if t < start + 1.0]
+    for _, k, going_in in events:
+        if not going_in:
+            del back_at[k]
+    return sorted(events)
+
+
 def _tool_signals(gate: Gate, break_even: float) -> tuple[Any, float]:
     """The gate's tool signals and the time from which wset2 drops a holder's KV: its view
     where the code has one (`Gate.tools`), the tuples of the code before it (a --baseline
@@ -307,6 +393,7 @@ async def gate_costs(n: int) -> dict[str, float]:
         **_named("control_update_wset", control_wset),
         **await wset_periods(n, periods),
         **await wset2_periods(n, periods),
+        **await wset2_dropping_periods(n, periods),
         "finish_us": finish_us,
     }
 
@@ -384,8 +471,10 @@ def main() -> None:
         if args.baseline:
             sides["baseline"] = baseline_code(args.baseline, Path(tmp))
         runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-        for _ in range(args.repeats):  # interleaved: both sides see the same load
-            for side, code in sides.items():
+        for r in range(args.repeats):  # interleaved: both sides see the same load
+            # which side runs first alternates: the second of a pair read up to ~10% faster
+            # (this code against itself)
+            for side, code in list(sides.items())[:: -1 if r % 2 else 1]:
                 runs[side].append(measure(code, args.agents))
     med = {
         side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()

@@ -141,6 +141,7 @@ class _Agent:
     ever_admitted: bool = False
     block: Block = UNPLACED  # its place in the keep order (gate_order.py), if it has one
     sort_key: Any = None
+    in_call: bool = False  # among the open tool calls (gate_order.ToolCalls)
     active_stamp: int = 0  # counts its entries into `active` (Gate._by_wait's entries)
 
 
@@ -222,11 +223,11 @@ class Gate:
             self.register(key)
             a = self._agents[key]
         old = a.context
-        a.context = context_tokens
         if a.tool_since is not None:  # back from a tool call: how long it took
             self._calls.done(self._clock() - a.tool_since)
-            self._calls.end(a)
+            self._calls.end(a)  # with its context of the call
             a.tool_since = None
+        a.context = context_tokens
         if a.state == "active":  # the hot path: an admitted agent between steps
             a.block.total += context_tokens - old  # its block's running total, in O(1)
             if context_tokens > old:

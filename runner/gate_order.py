@@ -30,6 +30,17 @@ from typing import Any, Protocol
 
 LOAD = 128  # block size: blocks split above 2 x LOAD and merge below LOAD / 2
 
+_block = operator.attrgetter("block")
+_block_keys = operator.attrgetter("block.keys")
+_context = operator.attrgetter("context")
+_in_call = operator.attrgetter("in_call")
+_calls = operator.attrgetter("calls")
+_call_total = operator.attrgetter("call_total")
+_sort_key = operator.attrgetter("sort_key")
+_keys = operator.attrgetter("keys")
+_low = operator.attrgetter("low")
+_total = operator.attrgetter("total")
+
 
 class Member(Protocol):
     """What the structure needs of an agent (the gate's `_Agent` has these)."""
@@ -37,17 +48,43 @@ class Member(Protocol):
     context: int
     block: Block  # UNPLACED when in no segment
     sort_key: Any
+    in_call: bool  # among `ToolCalls.open` (a holder in a tool call)
+    tool_since: float | None  # when its call began
 
 
 class Block:
-    __slots__ = ("items", "keys", "low", "segment", "total")
+    __slots__ = ("call_total", "calls", "items", "keys", "low", "segment", "total")
 
-    def __init__(self, segment: Segment | None, items: list[Any], keys: list[Any]) -> None:
+    def __init__(
+        self, segment: Segment | None, items: list[Any], keys: list[Any], calls: bool = True
+    ) -> None:
+        """`calls`: whether any of `items` may be in a tool call (False: none is, skip them)."""
         self.segment = segment
         self.items = items  # the members, in key order
         self.keys = keys  # their sort keys (unique within a segment)
-        self.total = sum(a.context for a in items)
-        self.low = min((a.context for a in items), default=0)  # <= every member's context
+        contexts = list(map(_context, items))
+        self.total = sum(contexts)
+        self.low = min(contexts, default=0)  # <= every member's context
+        # the members in a tool call (`in_call`): how many, and their contexts summed (what
+        # `ToolsView.fit_dropping` reads instead of walking the holders it drops)
+        in_call = list(itertools.compress(contexts, map(_in_call, items))) if calls else []
+        self.calls, self.call_total = len(in_call), sum(in_call)
+
+    def gain(self, a: Member) -> None:
+        """`a` joined this block: its sums."""
+        self.total += a.context
+        if a.context < self.low:
+            self.low = a.context
+        if a.in_call:
+            self.calls += 1
+            self.call_total += a.context
+
+    def take(self, other: Block) -> None:
+        """`other`'s members joined this block: its sums."""
+        self.total += other.total
+        self.low = min(self.low, other.low)
+        self.calls += other.calls
+        self.call_total += other.call_total
 
     def refresh_low(self) -> int:
         """The exact smallest context (the bound goes stale when a member leaves or grows)."""
@@ -82,6 +119,9 @@ class Segment:
             b.total += a.context
             if a.context < b.low:
                 b.low = a.context
+            if a.in_call:
+                b.calls += 1
+                b.call_total += a.context
             a.block = b
             self._maxes[-1] = key
             return
@@ -90,9 +130,7 @@ class Segment:
         j = bisect.bisect_left(b.keys, key)
         b.keys.insert(j, key)
         b.items.insert(j, a)
-        b.total += a.context
-        if a.context < b.low:
-            b.low = a.context
+        b.gain(a)
         a.block = b
         if j == len(b.keys) - 1:
             self._maxes[i] = key
@@ -106,6 +144,9 @@ class Segment:
         del b.keys[j]
         del b.items[j]
         b.total -= a.context
+        if a.in_call:
+            b.calls -= 1
+            b.call_total -= a.context
         a.block = UNPLACED
         self.size -= 1
         if not b.keys:
@@ -219,8 +260,7 @@ class Segment:
             else:  # prepended to its next block (whose last key stays)
                 into.items[:0] = b.items
                 into.keys[:0] = b.keys
-            into.total += b.total
-            into.low = min(into.low, b.low)
+            into.take(b)
             del self.blocks[i], self._maxes[i]
             j -= 1
             at = i - 1 if last else i
@@ -234,17 +274,19 @@ class Segment:
         computed); the other keeps its block, and its bound, still below its members."""
         b = self.blocks[i]
         if at <= len(b.keys) // 2:  # the head leaves
-            part = Block(self, b.items[:at], b.keys[:at])
+            part = Block(self, b.items[:at], b.keys[:at], b.calls > 0)
             del b.items[:at], b.keys[:at]
             self.blocks.insert(i, part)
             self._maxes.insert(i, part.keys[-1])
         else:  # the tail leaves
-            part = Block(self, b.items[at:], b.keys[at:])
+            part = Block(self, b.items[at:], b.keys[at:], b.calls > 0)
             del b.items[at:], b.keys[at:]
             self.blocks.insert(i + 1, part)
             self._maxes[i] = b.keys[-1]
             self._maxes.insert(i + 1, part.keys[-1])
         b.total -= part.total
+        b.calls -= part.calls
+        b.call_total -= part.call_total
         for a in part.items:
             a.block = part
 
@@ -268,8 +310,7 @@ class Segment:
             a.block = b
         b.items += nxt.items
         b.keys += nxt.keys
-        b.total += nxt.total
-        b.low = min(b.low, nxt.low)
+        b.take(nxt)
         del self.blocks[i + 1]
         del self._maxes[i]
         if len(b.keys) > 2 * LOAD:
@@ -383,15 +424,6 @@ class _Fit:
         )
 
 
-_block = operator.attrgetter("block")
-_block_keys = operator.attrgetter("block.keys")
-_context = operator.attrgetter("context")
-_sort_key = operator.attrgetter("sort_key")
-_keys = operator.attrgetter("keys")
-_low = operator.attrgetter("low")
-_total = operator.attrgetter("total")
-
-
 def _floor(items: list[Any], shared: int) -> Iterator[int]:
     return (max(a.context, shared) for a in items)
 
@@ -412,25 +444,53 @@ class ToolCalls:
 
     def __init__(self, kept: int) -> None:
         self.kept = kept
-        # holders in a call (an insertion-ordered dict: O(1) to join, to leave, and to walk
-        # from the oldest; its deleted slots are compacted as it grows)
-        self.open: dict[Any, None] = {}
+        # holders in a call -> when it began (an insertion-ordered dict: O(1) to join, to
+        # leave, and to walk from either end; its deleted slots are compacted as it grows)
+        self.open: dict[Any, float] = {}
+        # the same starts, sorted: how many calls began by a time is one bisection
+        self.starts = array("d")
         self._latest = -math.inf  # the latest call start seen (when calls began in order)
         self.finished: deque[float] = deque()  # the latest `kept` durations, oldest first
         self.ascending = array("d")  # the same, sorted
 
     def begin(self, a: Any) -> None:
-        """Holder `a` is in a call since `a.tool_since` (re-begun: it moves to its new place)."""
-        self.open.pop(a, None)
-        self.open[a] = None
+        """Holder `a` is in a call since `a.tool_since` (re-begun: it moves to its new place).
+        Its block counts it among its members in a call (`Block.calls`); an agent not placed
+        yet is counted when it joins a segment."""
+        if a.in_call:
+            self._forget(a)
+        else:
+            a.in_call = True
+            if a.block.segment is not None:
+                a.block.calls += 1
+                a.block.call_total += a.context
+        self.open[a] = a.tool_since
+        bisect.insort(self.starts, a.tool_since)
         if a.tool_since >= self._latest:
             self._latest = a.tool_since
         else:  # a call older than the latest: keep the oldest first (stable on ties)
-            self.open = dict.fromkeys(sorted(self.open, key=_since))
+            self.open = dict(sorted(self.open.items(), key=operator.itemgetter(1)))
 
     def end(self, a: Any) -> None:
-        """`a` is in no call, or holds no slot any more."""
-        self.open.pop(a, None)
+        """`a` is in no call, or holds no slot any more (before its context changes: its
+        block's sum of those in a call has it)."""
+        if not a.in_call:
+            return
+        a.in_call = False
+        self._forget(a)
+        if a.block.segment is not None:
+            a.block.calls -= 1
+            a.block.call_total -= a.context
+
+    def _forget(self, a: Any) -> None:
+        """Take `a`'s call out of `open` and `starts`."""
+        since = self.open.pop(a)
+        del self.starts[bisect.bisect_left(self.starts, since)]
+
+    def begun_by(self, past: Callable[[float], bool]) -> int:
+        """How many calls `past` holds of by their start (it holds of the earliest ones:
+        true up to some start, false from it on)."""
+        return bisect.bisect_left(self.starts, True, key=lambda since: not past(since))
 
     def done(self, seconds: float) -> None:
         """A call finished after `seconds`."""
@@ -445,7 +505,8 @@ class ToolsView:
     """The holders' tool calls as a policy reads them (runner.policies.Tools), at the instant
     it was made: `held_past` walks only the holders it returns (the calls begun longest ago)
     and finds their places in the keep order through their blocks; `durations` copies a
-    sorted array."""
+    sorted array; `fit_dropping` reads the blocks' sums of their members in a call and walks
+    only the fewer of the holders past the time and those in a call short of it."""
 
     def __init__(self, order: KeepOrder, calls: ToolCalls, now: float) -> None:
         self._order, self._calls, self._now = order, calls, now
@@ -454,14 +515,11 @@ class ToolsView:
         return self._calls.ascending[:]
 
     def held_past(self, seconds: float) -> list[tuple[int, int]]:
-        now, past = self._now, []
-        for a in self._calls.open:  # oldest call first, so the longest in a tool first
-            t = now - a.tool_since  # falls (or stays) along the walk: stop at the first short
-            if not (t > 0 and t >= seconds):
-                break
-            past.append(a)
-        if not past:
+        # oldest call first, so the longest in a tool first: the first n
+        n = self._calls.begun_by(self._past(seconds))
+        if not n:
             return []
+        past = list(itertools.islice(self._calls.open, n))
         starts, at = {}, 0  # where each holder block begins among the holders
         for seg in (self._order.active, self._order.marked):
             for b in seg.blocks:
@@ -472,6 +530,166 @@ class ToolsView:
         where = map(operator.add, map(starts.__getitem__, map(_block, past)), places)
         return sorted(zip(where, map(_context, past), strict=True))
 
+    def fit_dropping(
+        self, contexts: Any, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
+    ) -> int | None:
+        """runner.policies._fit_dropping(contexts, budget, extra, shared,
+        held_past(seconds)): how many of the first agents fit `budget` when the holders past
+        `seconds` in a call count 0, each other max(0, context - shared) + extra. From the
+        blocks' sums, without placing each dropped holder in the keep order (see `_FitPast`).
+        None where it cannot answer so: `contexts` is not this gate's view, or the count is
+        within rounding of a tie (the caller then takes the holder-by-holder path, whose
+        float sums decide it)."""
+        if extra < 0:
+            raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
+        if not isinstance(contexts, ContextsView) or contexts._order is not self._order:
+            return None
+        if budget < 0:
+            return 0
+        dropped = self._dropped(seconds)
+        if dropped is None:
+            return contexts.fit(budget, extra, shared)
+        return _FitPast(contexts._blocks(), *dropped, self._past(seconds), extra, shared)(budget)
 
-def _since(a: Any) -> float:
-    return float(a.tool_since)
+    def _past(self, seconds: float) -> Callable[[float], bool]:
+        """Whether a call begun at a time is past `seconds` now (held_past's test): true for
+        the calls begun first, false from some start on (the clock only moves forward)."""
+        now = self._now
+
+        def past(since: float) -> bool:
+            t = now - since
+            return t > 0 and t >= seconds
+
+        return past
+
+    def _dropped(self, seconds: float) -> tuple[list[int], list[int]] | None:
+        """The holders past `seconds` in a call: how many, and their contexts summed, in each
+        holder block (active, then marked: the keep order's first blocks); None if none is.
+        They are the calls begun first (`held_past`): counted from those where they are the
+        fewer, else from the blocks' sums of their members in a call (`Block.calls`,
+        `call_total`) less the holders in a call short of the time."""
+        calls = self._calls.open
+        n = self._calls.begun_by(self._past(seconds))
+        if not n:
+            return None
+        blocks = [*self._order.active.blocks, *self._order.marked.blocks]
+        if n <= len(calls) - n:
+            counts, sums = [0] * len(blocks), [0] * len(blocks)
+            members, sign = itertools.islice(calls, n), 1
+        else:
+            counts, sums = list(map(_calls, blocks)), list(map(_call_total, blocks))
+            members, sign = itertools.islice(reversed(calls), len(calls) - n), -1
+        at = dict(zip(blocks, itertools.count()))
+        for a in members:
+            i = at[a.block]
+            counts[i] += sign
+            sums[i] += sign * a.context
+        return counts, sums
+
+
+class _FitPast:
+    """`ToolsView.fit_dropping` on blocks whose dropped members are known by block. The
+    first k agents' total T(k) is I(k) + m(k) x extra, with I(k) the integer sum of
+    max(c, shared) - shared over the members not dropped and m(k) their count: found per
+    block from its sums (the dropped ones' sum taken off), so the count is a bisection over
+    the blocks' running totals, then one within the block where the budget runs out (its
+    dropped members found there by their calls). `_fit_dropping` sums the same terms as
+    floats in another order: the two differ at most by the roundings of such sums
+    (`_checked`), so where T at the count or just past it is that close to the budget, the
+    answer is None and the caller's float sums decide."""
+
+    def __init__(
+        self,
+        blocks: list[Block],
+        counts: list[int],
+        sums: list[int],
+        past: Callable[[float], bool],
+        extra: float,
+        shared: int,
+    ) -> None:
+        """`counts` and `sums`: the dropped members of the first blocks (`_dropped`)."""
+        self._blocks, self._counts, self._past = blocks, counts, past
+        self._extra, self._shared = extra, shared
+        lost: Iterator[int]
+        if min(map(_low, blocks)) >= shared:  # every term max(c, shared) is c: from the sums
+            floored = map(_total, blocks)
+            lost = map(operator.sub, sums, map(operator.mul, counts, itertools.repeat(shared)))
+        else:
+            floored = map(_floored, blocks, itertools.repeat(shared))
+            lost = map(self._dropped_floored, blocks, counts, sums)
+        # running sums by block: of max(c, shared), of the agents, of the dropped ones and of
+        # their terms' integer parts (these over the holder blocks, where all dropped ones are)
+        self._sums = list(itertools.accumulate(floored))
+        self._ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
+        self._lost_n = list(itertools.accumulate(counts))
+        self._lost = list(itertools.accumulate(lost))
+        n = self._ks[-1]
+        # |every sum either path forms| <= this: the budget, all terms, and k x |per|
+        self._scale, self._n = self._sums[-1] + n * (extra + shared), n
+
+    def _through(self, j: int) -> tuple[int, int]:
+        """Through block j: the integer part of the totals of the agents not dropped, and
+        how many they are."""
+        h = min(j, len(self._lost) - 1)
+        ks = self._ks[j]
+        return self._sums[j] - ks * self._shared - self._lost[h], ks - self._lost_n[h]
+
+    def _dropped_floored(self, b: Block, n: int, total: int) -> int:
+        """The dropped members' sum of max(c, shared) - shared in block `b` (n of them,
+        contexts summed to `total`): from the sums where no context in it is below
+        `shared`, else member by member."""
+        shared = self._shared
+        if not n or b.low >= shared or b.refresh_low() >= shared:
+            return total - n * shared
+        past = self._past
+        return sum(
+            max(a.context, shared) - shared for a in b.items if a.in_call and past(a.tool_since)
+        )
+
+    def __call__(self, budget: float) -> int | None:
+        ks, extra, blocks = self._ks, self._extra, self._blocks
+
+        def total(j: int) -> float:  # of the agents through block j
+            ints, kept = self._through(j)
+            return ints + kept * extra
+
+        # the whole blocks within the budget (the totals grow monotonically)
+        j = bisect.bisect_right(range(len(blocks)), budget, key=total)
+        if j == len(blocks):
+            return self._checked(budget, ks[-1], total(j - 1), None)
+        # in block j, its members' totals on from the blocks before
+        b, before = blocks[j], (ks[j - 1] if j else 0)
+        start = self._through(j - 1) if j else (0, 0)
+        return self._within(b, j, budget, before, *start)
+
+    def _within(self, b: Block, j: int, budget: float, before: int, t0: int, m0: int) -> int | None:
+        """The count where block `b` (the j-th; `before` agents, totals `t0` + `m0` x extra
+        before it) holds the first total over the budget: its members' terms (0 for the
+        dropped ones) on from the blocks before, then bisected."""
+        extra, shared, past, items = self._extra, self._shared, self._past, b.items
+        if b.low >= shared:
+            terms = list(map(operator.sub, map(_context, items), itertools.repeat(shared)))
+        else:
+            terms = [max(a.context, shared) - shared for a in items]
+        counted = [1] * len(terms)
+        if j < len(self._counts) and self._counts[j]:  # its members in a call, those past
+            for i in itertools.compress(itertools.count(), map(_in_call, items)):
+                if past(items[i].tool_since):
+                    terms[i] = counted[i] = 0
+        t = list(itertools.accumulate(terms, initial=t0))
+        m = list(itertools.accumulate(counted, initial=m0))
+        i = bisect.bisect_right(range(1, len(t)), budget, key=lambda i: t[i] + m[i] * extra)
+        # t[i] + ... is the total of the count's agents; t[i + 1] + ... of one more (over)
+        return self._checked(budget, before + i, t[i] + m[i] * extra, t[i + 1] + m[i + 1] * extra)
+
+    def _checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
+        """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent
+        past it) is within the two paths' rounding of the budget: then None."""
+        slack = (self._n + 8) * 2.0**-50 * (abs(budget) + self._scale)
+        if not math.isfinite(slack):  # an infinite budget: nothing to bound the roundings by
+            return None
+        if count and within > budget - slack:
+            return None
+        if over is not None and over <= budget + slack:
+            return None
+        return count

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -119,6 +120,15 @@ class Tools(Protocol):
         finished (in a tool call, or preparing its next turn), by position."""
         ...
 
+    def fit_dropping(
+        self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
+    ) -> int | None:
+        """`_fit_dropping(contexts, budget, extra, shared, held_past(seconds))` where the view
+        can answer it from running totals (the gate's: per-block sums of the holders in a
+        call, without placing each dropped holder); None where it cannot (the caller then
+        computes it holder by holder)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ToolList:
@@ -140,6 +150,11 @@ class ToolList:
             for i, (t, c) in enumerate(zip(self.held_seconds, self.held_contexts, strict=False))
             if t > 0 and t >= seconds
         ]
+
+    def fit_dropping(
+        self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
+    ) -> int | None:
+        return None  # no running totals: `_fit_dropping` over `held_past`
 
 
 @dataclass(frozen=True)
@@ -494,14 +509,16 @@ class WorkingSet2:
         calls = _tool_calls(s) if per else None
         after = self._drop_after(calls, capacity, per)
         if after is not None:  # holders in calls past it count nothing
-            fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
+            fit = s.tools.fit_dropping(contexts, after, budget, growth, shared)
+            if fit is None:
+                fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
         else:
             fit = contexts.fit(budget, growth, shared)
         d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
         cap = _resume_cap(s, host_counted, self.reload_share)
         if cap is not None and cap < d.window:
             d = Decision(cap, "fit:reload-cap")
-        return dataclasses.replace(d, order=FAIR) if self._spread(calls, capacity, per) else d
+        return Decision(d.window, d.branch, FAIR) if self._spread(calls, capacity, per) else d
 
     def _drop_after(
         self, calls: _RemainingTime | None, capacity: float, per: float | None
@@ -561,7 +578,7 @@ class _RemainingTime:
         m = len(d)
         self._suffix = suffix = np.zeros(m + 1)
         if m:
-            np.cumsum(d[::-1], out=suffix[m - 1 :: -1])
+            d[::-1].cumsum(out=suffix[m - 1 :: -1])  # the method: no wrapper call
 
     def median(self) -> float:
         """The middle duration (of an even count, the upper of the two)."""
@@ -573,20 +590,31 @@ class _RemainingTime:
         return spent if n == 0 else float(_mean_excess(self._suffix[i], n, spent))
 
     def first_above(self, x: float) -> float:
-        np, d, suffix, m = self._np, self._d, self._suffix, len(self._d)
-        if m and _mean_excess(suffix[0], m, 0.0) > x:  # every call, as one just begun
+        d, suffix, m = self._d, self._suffix, len(self._d)
+        # every call, as one just begun (a Python float: the same IEEE operations as numpy's)
+        if m and _mean_excess(float(suffix[0]), m, 0.0) > x:
             return 0.0
         # just past d[j] (the last of equal durations): the calls longer than it
-        longer = np.arange(m - 1, 0, -1)
-        above = _mean_excess(suffix[1:m], longer, d[:-1]) > x
-        above &= d[1:] != d[:-1]
+        above = _mean_excess(suffix[1:m], _longer(m), d[:-1]) > x
         first = int(above.argmax()) if m > 1 else 0  # the first True (0 if none)
+        if m > 1 and above[first] and d[first + 1] == d[first]:  # not the last of its ties:
+            above &= d[1:] != d[:-1]  # the first among the last of equal durations, then
+            first = int(above.argmax())
         if m > 1 and above[first]:
             return float(d[first])
         # beyond every finished call the expected remainder is the time spent
         if m and d[-1] > x:
             return float(d[-1])
         return math.nextafter(x, math.inf)
+
+
+@functools.lru_cache(maxsize=4)
+def _longer(m: int) -> Any:
+    """m - 1, m - 2, ..., 1 as a read-only numpy array: the count of calls longer than each
+    but the last of m durations, the same every period once m durations are kept."""
+    out = _numpy().arange(m - 1, 0, -1)
+    out.flags.writeable = False
+    return out
 
 
 def _numpy() -> types.ModuleType:

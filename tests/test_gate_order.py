@@ -33,6 +33,7 @@ def check_structure(gate: Gate) -> None:
             assert b.items and b.segment is seg
             assert b.total == sum(a.context for a in b.items)
             assert b.low <= min(a.context for a in b.items)
+            assert (b.calls, b.call_total) == call_sums(b)
             assert all(a.block is b for a in b.items)
             seen |= {a.key for a in b.items}
     in_place = {
@@ -42,6 +43,15 @@ def check_structure(gate: Gate) -> None:
         or (a.state in ("paused", "pending") and a.waiter is not None)
     }
     assert seen == in_place
+    # the open calls are the holders' in a call, which their blocks count
+    holders = [a for seg in (gate._keep.active, gate._keep.marked) for a in seg]
+    assert set(gate._calls.open) == {a for a in holders if a.tool_since is not None}
+    assert all(a.in_call == (a in gate._calls.open) for a in gate._agents.values())
+
+
+def call_sums(b: gate_order.Block) -> tuple[int, int]:
+    """A block's members in a call: how many, and their contexts summed."""
+    return sum(a.in_call for a in b.items), sum(a.context for a in b.items if a.in_call)
 
 
 async def run_sequence(make_gate, seed: int, n_events: int, new: bool) -> list:
@@ -199,10 +209,12 @@ async def test_fit_takes_the_clamp_only_where_a_context_is_below_the_shared_pref
 
 
 class _Member:
-    def __init__(self, context: int) -> None:
+    def __init__(self, context: int, in_call: bool = False) -> None:
         self.context = context
         self.block = gate_order.UNPLACED
         self.sort_key = None
+        self.in_call = in_call
+        self.tool_since = 0.0 if in_call else None
 
 
 def check_segment(seg: gate_order.Segment, model: list) -> None:
@@ -214,6 +226,7 @@ def check_segment(seg: gate_order.Segment, model: list) -> None:
         assert b.segment is seg and all(a.block is b for a in b.items)
         assert b.total == sum(a.context for a in b.items)
         assert b.low <= min(a.context for a in b.items)
+        assert (b.calls, b.call_total) == call_sums(b)
         assert len(b.keys) <= 2 * gate_order.LOAD
         assert len(seg.blocks) == 1 or len(b.keys) >= gate_order.LOAD // 2
 
@@ -229,7 +242,7 @@ def test_runs_taken_from_a_segment_and_put_in_another_keep_both_in_order(monkeyp
     models: tuple[list, list] = ([], [])
     keys = rng.sample(range(10_000), 400)
     for k in keys[:300]:
-        a = _Member(rng.randint(0, 5000))
+        a = _Member(rng.randint(0, 5000), rng.random() < 0.3)
         side = rng.randrange(2)
         segs[side].add(a, k)
         models[side].append((k, a))

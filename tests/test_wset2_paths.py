@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import random
 import statistics
+from collections import Counter
 
 import pytest
 
@@ -33,9 +34,12 @@ def signals(s_kw: dict, contexts, tools) -> Signals:
     return Signals(contexts=contexts, tools=tools, **s_kw)
 
 
-def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float) -> int:
+def compare(
+    gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float, fast: Counter
+) -> int:
     """The new path on the gate's views against the old one on the reference's tuples, for a
-    few random settings; returns how many holders the old path dropped in all."""
+    few random settings; returns how many holders the old path dropped in all. `fast`
+    counts the dropped-holder fits the view's per-block sums answered (and was asked)."""
     held, waiting = ref.contexts()
     old_contexts = ContextList(held, waiting)
     held_s, durations = ref.tool_seconds(), ref.tool_durations()
@@ -72,11 +76,18 @@ def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float
             dropped_total += len(dropped)
             budget = rng.uniform(-10, 2 * capacity)
             extra, shared = rng.choice([0.0, 250.0]), rng.choice([0, 800])
-            assert _fit_dropping(
-                new_s.contexts, budget, extra, shared, dropped
-            ) == reference_wset2._fit_dropping(
+            want_fit = reference_wset2._fit_dropping(
                 old_contexts, budget, extra, shared, [p for p, _ in dropped]
             )
+            assert _fit_dropping(new_s.contexts, budget, extra, shared, dropped) == want_fit
+            # from the blocks' sums: the same count, or None (a near tie: the path above)
+            for b in (budget, float(round(budget)), rng.uniform(-10, 2 * capacity)):
+                got_fit = new_s.tools.fit_dropping(new_s.contexts, after, b, extra, shared)
+                want_b = reference_wset2._fit_dropping(
+                    old_contexts, b, extra, shared, [p for p, _ in dropped]
+                )
+                assert got_fit in (None, want_b), (b, extra, shared, got_fit, want_b)
+                fast.update(asked=1, answered=got_fit is not None)
         got = policy.update(new_s)
         want = reference_wset2.update(policy, old_s, held_s, durations)
         # the order: FAIR where the pool is recomputed in under fair_below median calls
@@ -87,7 +98,7 @@ def compare(gate: Gate, ref: reference_gate.Gate, rng: random.Random, now: float
     return dropped_total
 
 
-async def run_sequence(seed: int, n_events: int) -> int:
+async def run_sequence(seed: int, n_events: int, fast: Counter) -> int:
     rng, queries = random.Random(seed), random.Random(-seed)
     now = [0.0]
     rules = dict(
@@ -127,7 +138,7 @@ async def run_sequence(seed: int, n_events: int) -> int:
         for key in sorted(tasks):
             if all(t.done() for t in tasks[key]):
                 del tasks[key]
-        dropped += compare(gate, ref, queries, now[0])
+        dropped += compare(gate, ref, queries, now[0], fast)
     for pair in tasks.values():
         for t in pair:
             t.cancel()
@@ -142,10 +153,12 @@ async def test_wset2_decides_as_the_path_it_replaced(monkeypatch, kept, sequence
     monkeypatch.setattr(gate_order, "LOAD", 2)
     monkeypatch.setattr(gate_module, "TOOL_DURATIONS_KEPT", kept)
     monkeypatch.setattr(reference_gate, "TOOL_DURATIONS_KEPT", kept)
-    dropped = 0
+    dropped, fast = 0, Counter[str]()
     for seed in range(sequences):
-        dropped += await run_sequence(seed, 120)
+        dropped += await run_sequence(seed, 120, fast)
     assert dropped > 1000  # the sequences do drop holders: the comparison is not vacuous
+    # the per-block sums answer nearly every fit (None only at a near tie)
+    assert fast["answered"] > 0.95 * fast["asked"] > 1000, fast
 
 
 def test_remaining_time_is_the_scalar_scan_it_replaced():
@@ -159,3 +172,45 @@ def test_remaining_time_is_the_scalar_scan_it_replaced():
         for x in [rng.uniform(0, 100) for _ in range(5)] + list(durations[:5]) + [0.0]:
             assert new.first_above(x) == old.first_above(x)
             assert new.expected(x) == old.expected(x)
+
+
+async def test_the_fit_from_block_sums_leaves_a_tie_to_the_float_sums():
+    # a holder past the time counts 0; where the budget is exactly a prefix's total the
+    # view answers None (the two paths' roundings could part there) and the holder-by-holder
+    # path decides; a budget clear of every total gets the same count from both
+    now = [0.0]
+    gate = Gate(4, clock=lambda: now[0])
+    for k, c in {"a": 1000, "b": 2000, "c": 3000, "d": 4000}.items():
+        await gate.acquire(k, c)
+    gate.done_request("b")
+    now[0] += 5.0
+    view, contexts = gate.tools(), gate.contexts()
+    held = view.held_past(1.0)
+    assert held == [(1, 2000)]
+    for budget, count in [(4000.5, 3), (3999.5, 2), (0.0, 0), (1e9, 4), (7999.0, 3)]:
+        assert view.fit_dropping(contexts, 1.0, budget) == count
+        assert _fit_dropping(contexts, budget, 0.0, 0, held) == count
+    assert view.fit_dropping(contexts, 1.0, 4000.0) is None  # a, b, c total 4000 exactly
+    assert _fit_dropping(contexts, 4000.0, 0.0, 0, held) == 3
+    assert view.fit_dropping(contexts, 1.0, 1000.0) is None  # a, b total 1000 exactly
+    # b not past 6 s: nothing dropped, the plain fit (a totals 1000: within)
+    assert view.held_past(6.0) == []
+    assert view.fit_dropping(contexts, 6.0, 1000.0) == 1 == contexts.fit(1000.0)
+    assert (
+        view.fit_dropping(contexts, 6.0, 2999.0)
+        == 1
+        == _fit_dropping(contexts, 2999.0, 0.0, 0, view.held_past(6.0))
+    )
+    # another gate's contexts, or plain tuples: no per-block sums to read
+    assert view.fit_dropping(Gate(1).contexts(), 1.0, 4000.5) is None
+    assert view.fit_dropping(ContextList((1000, 2000), ()), 1.0, 4000.5) is None
+    # the policy takes the holder-by-holder path at the tie: the same window as with none
+    gate.done_request("d")  # a finished call, so that wset2 has a remaining time to weigh
+    now[0] += 60.0
+    await gate.acquire("d", 4000)
+    s_kw = dict(
+        now=now[0], window=4, usage=0.3, hit_rate=0.5, active=4, paused=0, pending=0,
+        finished=0, unfinished=4, capacity_tokens=4000, recompute_token_seconds=1e-3,
+    )  # fmt: skip
+    policy = WorkingSet2(reserve=0.0, fair_below=0.0)
+    assert policy.update(signals(s_kw, gate.contexts(), gate.tools())).window == 3

@@ -143,7 +143,10 @@ def _unbounded_table(
 ) -> list[str]:
     """Each row's candidate on its pool and on a pool that never fills, against each bound.
     `rows`: key -> (title, workload, deployment, device bound), as report() computed them."""
-    device = {r["config"]: r for r in records if r["system"] == CANDIDATE}
+    device: dict[str, dict[str, Any]] = {}
+    for r in records:  # the first, as report() takes it (paper.json and stress.json first)
+        if r["system"] == CANDIDATE:
+            device.setdefault(r["config"], r)
     out = ["", f"## {CANDIDATE} with a pool that never fills", ""]
     out += ["`python bench/bound_gap.py --unbounded`: the same run on a GPU whose KV pool holds "
             "every context at once (nothing evicted), beside the device run. `pool part` is "

@@ -215,11 +215,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
         spent.append(cpu() - t)
         moved += _moved(ctl.stats.last)
         tools, after = _tool_signals(gate, capacity * per_token)
-        dropped += (
-            len(tools.held_past(after))
-            if hasattr(tools, "held_past")
-            else sum(t > 0 and t >= after for t in tools["held_tool_seconds"])
-        )
+        dropped += _dropped(tools, after)
         sig = _signals_with(
             gate, now=now[0], window=n // 2, usage=0.3, hit_rate=0.5, active=n // 2, paused=0,
             pending=n - n // 2, finished=0, unfinished=n, capacity_tokens=capacity,
@@ -284,11 +280,7 @@ async def wset2_dropping_periods(n: int, periods: int, warmup: int = 90) -> dict
         spent.append(cpu() - t)
         moved += _moved(ctl.stats.last)
         tools, after = _tool_signals(gate, capacity * per_token)
-        dropped += (
-            len(tools.held_past(after))
-            if hasattr(tools, "held_past")
-            else sum(t > 0 and t >= after for t in tools["held_tool_seconds"])
-        )
+        dropped += _dropped(tools, after)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -320,6 +312,13 @@ def _call_events(
         if not going_in:
             del back_at[k]
     return sorted(events)
+
+
+def _dropped(tools: Any, after: float) -> int:
+    """How many holders wset2 drops at `after` seconds in a call (_tool_signals' view)."""
+    if hasattr(tools, "held_past"):
+        return len(tools.held_past(after))
+    return sum(t > 0 and t >= after for t in tools["held_tool_seconds"])
 
 
 def _tool_signals(gate: Gate, break_even: float) -> tuple[Any, float]:

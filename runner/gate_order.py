@@ -113,7 +113,9 @@ class Segment:
             a.block = b
             return
         if key > self._maxes[-1] and len(self.blocks[-1].keys) < 2 * LOAD:
-            b = self.blocks[-1]  # the common case (a new holder, a new waiter): at the end
+            # the common case (a new holder, a new waiter): at the end; Block.gain written
+            # out, as this runs at every admission
+            b = self.blocks[-1]
             b.keys.append(key)
             b.items.append(a)
             b.total += a.context

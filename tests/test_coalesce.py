@@ -23,6 +23,16 @@ async def step(gate: Gate, key: str, context: int, log: list[tuple[float, str]])
     gate.done_request(key)
 
 
+async def holders(keys: str, context: int) -> tuple[Gate, list[tuple[float, str]]]:
+    """A gate whose agents `keys` have each sent a first request of `context` tokens (nothing
+    to hold: they come from no tool), and an empty log."""
+    gate, log = Gate(len(keys)), []
+    for k in keys:
+        await step(gate, k, context, log)
+    log.clear()
+    return gate, log
+
+
 def test_holders_back_from_a_tool_wait_for_the_hold_then_go_together():
     async def main():
         gate, log = Gate(3), []
@@ -46,10 +56,7 @@ def test_holders_back_from_a_tool_wait_for_the_hold_then_go_together():
 
 def test_a_hold_ends_early_once_the_held_bring_enough_tokens():
     async def main():
-        gate, log = Gate(3), []
-        for k in "ABC":
-            await step(gate, k, 1_000, log)
-        log.clear()
+        gate, log = await holders("ABC", 1_000)
         gate.coalesce(5.0, 1_000)
         a = asyncio.create_task(step(gate, "A", 1_600, log))  # 600 new tokens: held
         await asyncio.sleep(1.0)
@@ -82,10 +89,7 @@ def test_no_hold_for_first_requests_waiters_or_without_coalescing():
 
 def test_turning_coalescing_off_lets_the_held_go_at_once():
     async def main():
-        gate, log = Gate(2), []
-        for k in "AB":
-            await step(gate, k, 100, log)
-        log.clear()
+        gate, log = await holders("AB", 100)
         gate.coalesce(10.0, 10_000)
         a = asyncio.create_task(step(gate, "A", 200, log))
         await asyncio.sleep(2.0)
@@ -98,10 +102,7 @@ def test_turning_coalescing_off_lets_the_held_go_at_once():
 
 def test_a_cancelled_held_agent_leaves_the_hold():
     async def main():
-        gate, log = Gate(2), []
-        for k in "AB":
-            await step(gate, k, 100, log)
-        log.clear()
+        gate, log = await holders("AB", 100)
         gate.coalesce(1.0, 250)
         a = asyncio.create_task(step(gate, "A", 200, log))
         await asyncio.sleep(0.1)
@@ -157,10 +158,7 @@ def test_the_controller_hands_the_hold_to_the_gate_and_counts_it():
 
 def test_when_the_first_held_is_cancelled_the_hold_runs_from_the_next():
     async def main():
-        gate, log = Gate(3), []
-        for k in "ABC":
-            await step(gate, k, 100, log)
-        log.clear()
+        gate, log = await holders("ABC", 100)
         gate.coalesce(1.0, 10_000)
         a = asyncio.create_task(step(gate, "A", 200, log))
         await asyncio.sleep(0.4)

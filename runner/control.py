@@ -158,7 +158,10 @@ class Controller:
         decision = self.policy.update(sig)
         order, hold = decision.order, decision.coalesce
         self.gate.use_rules(None if order is None else (order.pause, order.resume))
-        self.gate.coalesce(hold.seconds, hold.tokens) if hold else self.gate.coalesce(0.0, 0)
+        if hold is None:
+            self.gate.coalesce(0.0, 0)
+        else:
+            self.gate.coalesce(hold.seconds, hold.tokens)
         after = self.gate.resize(decision.window)
         c = self.gate.counts()
         events = self.gate.drain_events()
@@ -246,6 +249,24 @@ class Controller:
         }
 
 
+HOLD_SUMS = ("coalescing_periods", "holds", "agent_seconds_held")
+
+
+def policy_sums(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over several gates' summaries (DP ranks, workers): the counts a policy's own choices
+    add, where any of them has them (`orders` by order, the coalescing counts), summed."""
+    out: dict[str, Any] = {}
+    orders: dict[str, int] = {}
+    for s in summaries:
+        for order, n in s.get("orders", {}).items():
+            orders[order] = orders.get(order, 0) + n
+    if orders:
+        out["orders"] = orders
+    if any("holds" in s for s in summaries):
+        out.update({k: round(sum(s.get(k, 0) for s in summaries), 3) for k in HOLD_SUMS})
+    return out
+
+
 class MultiController:
     """One Controller per data-parallel rank (ranked_gate.py), stepped together: each rank's
     window follows its own U and H. Same surface as Controller."""
@@ -292,6 +313,7 @@ class MultiController:
             resumes=sum(r["resumes"] for r in ranks),
             agent_seconds_paused=round(sum(r["agent_seconds_paused"] for r in ranks), 3),
             agent_seconds_pending=round(sum(r["agent_seconds_pending"] for r in ranks), 3),
+            **policy_sums(ranks),
             dp_ranks=len(ranks),
             ranks=ranks,
         )

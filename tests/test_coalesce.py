@@ -194,3 +194,21 @@ def test_the_request_rate_is_the_mean_of_the_last_ten_periods():
         sum(range(k - RATE_PERIODS + 1, k + 1)) / (RATE_PERIODS * 2.0)
         for k in range(RATE_PERIODS - 1, RATE_PERIODS + 2)
     ]
+
+
+def test_gates_summed_over_ranks_and_workers_keep_the_policys_own_counts():
+    from runner.control import policy_sums
+    from runner.scaleout.summary import merged_gate
+
+    a = {"pauses": 1, "orders": {"least-waited/most-waited": 3}, "coalescing_periods": 2,
+         "holds": 5, "agent_seconds_held": 0.5}  # fmt: skip
+    b = {"pauses": 2, "coalescing_periods": 1, "holds": 4, "agent_seconds_held": 0.25}
+    assert policy_sums([a, b]) == {
+        "orders": {"least-waited/most-waited": 3},
+        "coalescing_periods": 3,
+        "holds": 9,
+        "agent_seconds_held": 0.75,
+    }
+    assert policy_sums([{"pauses": 1}, {"pauses": 2}]) == {}  # nothing chosen: nothing added
+    merged = merged_gate([b, a])
+    assert merged is not None and merged["holds"] == 9 and merged["orders"] == a["orders"]

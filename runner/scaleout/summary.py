@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
+from ..control import policy_sums
 from ..store import RunStore
 from ..summary import batch_totals
 from .handle import Handle
@@ -87,6 +88,7 @@ def merged_gate(gates: list[dict[str, Any]]) -> dict[str, Any] | None:
     for k in GATE_SUMS:
         out[k] = round(sum(g.get(k, 0) for g in gates), 3)
     out["control_periods"] = sum(g.get("control_periods", 0) for g in gates)
+    out.update(policy_sums(gates))
     out.pop("window", None)  # per worker only: windows of different engines do not add up
     out["workers"] = gates
     return out

@@ -31,8 +31,9 @@ run). MoE decode iterations read the experts a batch adds (the concave chord).
 Each step produces its first token in its prefill and the rest in decode iterations. For a
 batch run through the runner (the default), the bound is taken over the prompts the runner
 sends (`Workload.as_sent`: its chat template and tool instructions counted exactly, the shared
-prefix once); a driver without the runner, or a trace with a request the engine would not
-serve whole, gets the bound over the trace's own tokens, which leaves them out.
+prefix once, agents ended where the runner ends them at the context limit); a driver without
+the runner, or a trace with a reply the engine would clip, gets the bound over the trace's own
+tokens, which leaves the runner's out.
 docs/simulator.md ("The oracle lower bound") gives each term's argument.
 """
 
@@ -204,8 +205,9 @@ def lower_bound(
     tier's size is not a constraint here, which only lowers the bound. through_runner: the
     batch runs through the runner (simulate, run.py --engine sim), so the bound is taken
     over the prompts it sends (`Workload.as_sent`: its chat template and tool instructions
-    counted exactly) wherever every request is served whole; False (or where one is not):
-    over the trace's own tokens, as a driver without the runner sends them."""
+    counted exactly, each agent ended where the runner ends it) unless the engine would clip
+    a reply; False (or where it would): over the trace's own tokens, as a driver without the
+    runner sends them."""
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep, pcie_bytes_per_s)
     sent = None

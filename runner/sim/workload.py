@@ -185,9 +185,9 @@ class Workload:
             opening = opening_ids(tok, opening_messages(task), schemas)
             n, steps = len(opening), []  # n: the agent's context so far
             for k, s in enumerate(a.steps):
-                out = len(model.reply(i, k))
                 if n + max_new >= context_limit or n > longest - 5:
                     break  # the engine refuses the request: the agent ends (context_limit)
+                out = len(model.reply(i, k))
                 if out > longest - n - 1:
                     return None  # the engine clips max_new below the reply: cut short
                 obs = turn + s.obs_tokens if k < len(a.steps) - 1 else 0

@@ -18,6 +18,15 @@ holds every agent's whole context at once (nothing is ever evicted; same cost mo
 settings otherwise), and writes bench/results/bound_gap-unbounded.json; the report then splits
 each row's gap into the part the pool causes (device run against the unbounded run) and the
 part that remains without any memory limit (the unbounded run against its own bound).
+
+    python bench/bound_gap.py --pool        # also simulates each row's candidate run again
+
+`--pool` reruns the candidate on its own pool and writes bench/results/bound_gap-pool.json;
+the report then shows where the pool's token-seconds went (the simulator's
+`kv_token_seconds_*`): KV locked by running requests during decode and during prefill
+iterations, cached but unlocked, and free, each over the pool's capacity (so in seconds,
+adding up to the run's); beside it the unbounded run's (`--unbounded`, with the new counters)
+over the same device capacity: what the schedule would hold with nothing evicted.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ from runner.sim.workload import Workload, synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 UNBOUNDED = RESULTS / "bound_gap-unbounded.json"
+POOL = RESULTS / "bound_gap-pool.json"
+HOLDERS = ("decoding", "prefilling", "cached", "free")  # the simulator's kv_token_seconds_*
 CANDIDATE = "wset2"
 
 
@@ -136,6 +147,65 @@ def simulate_unbounded() -> list[dict[str, Any]]:
     return out
 
 
+def simulate_pool() -> list[dict[str, Any]]:
+    """The candidate on every row on its own pool, for the pool's token-seconds."""
+    out = []
+    for run in _candidate_runs():
+        w = synthetic(run.workload, seed=0)
+        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)),
+                     paper.RUNS / f"{run.name}-pool", label=run.system,
+                     **paper.sim_settings(run))  # fmt: skip
+        e = r.to_json()["engine"]
+        out.append({"config": run.config, "system": run.system, "sim_seconds": r.sim_seconds,
+                    "work_digest": r.to_json().get("work_digest"), "engine": e})  # fmt: skip
+        print(f"  {run.name:28s} {r.sim_seconds:,.1f} s", flush=True)
+    return out
+
+
+def _held(e: dict[str, Any], capacity: int) -> list[float] | None:
+    """The run's pool token-seconds by holder over `capacity` (None: counters absent)."""
+    if f"kv_token_seconds_{HOLDERS[0]}" not in e:
+        return None
+    return [e[f"kv_token_seconds_{k}"] / capacity for k in HOLDERS]
+
+
+def _pool_table(
+    pool: list[dict[str, Any]],
+    unbounded: list[dict[str, Any]] | None,
+    rows: dict[str, tuple[str, Workload, str, float]],
+) -> list[str]:
+    """Where each row's pool token-seconds went, on the device and with nothing evicted."""
+    free_of = {u["config"]: u for u in unbounded or []}
+    out = ["", f"## Where {CANDIDATE}'s pool token-seconds go", ""]
+    out += ["`python bench/bound_gap.py --pool`: the candidate's run again on its own pool, "
+            "its KV pool's token-seconds split by what held them (the simulator's "
+            "`kv_token_seconds_*`), each over the pool's capacity: seconds of the whole pool, "
+            "adding up to the run's seconds. `decoding`: KV locked by the running requests "
+            "during decode iterations (the shared prompt once); `prefilling`: locked during "
+            "prefill iterations (the running requests waiting, and the batch's allocated "
+            "prompts); `cached`: unlocked, evictable (agents in tools or paused, finished "
+            "agents, the shared prompt between requests); `free`. The unbounded run "
+            "(`--unbounded`) is the same schedule's need with nothing ever evicted, over the "
+            "same device capacity: more than its seconds where the device pool could not hold "
+            "it.", ""]  # fmt: skip
+    out += ["| row | run s / bound | decoding | prefilling | cached | free | unbounded run s | "
+            "its decoding / prefilling / cached |", "|---" * 8 + "|"]  # fmt: skip
+    for d in pool:
+        title, _, _, b = rows[d["config"]]
+        cap = d["engine"]["capacity_tokens"]
+        held = _held(d["engine"], cap)
+        if held is None:
+            continue
+        u = free_of.get(d["config"])
+        uh = _held(u["engine"], cap) if u else None
+        need = " / ".join(f"{x:,.0f}" for x in uh[:3]) if uh else "-"
+        cells = [f"{x:,.0f} ({x / d['sim_seconds']:.0%})" for x in held]
+        tail = f"{u['sim_seconds']:,.0f} | {need}" if u else "- | -"
+        run = f"{d['sim_seconds']:,.0f} / {b:,.0f}"
+        out.append(f"| {title} | {run} | {' | '.join(cells)} | {tail} |")
+    return out
+
+
 def _unbounded_table(
     records: list[dict[str, Any]],
     unbounded: list[dict[str, Any]],
@@ -171,7 +241,11 @@ def _unbounded_table(
     return out
 
 
-def report(records: list[dict[str, Any]], unbounded: list[dict[str, Any]] | None = None) -> str:
+def report(
+    records: list[dict[str, Any]],
+    unbounded: list[dict[str, Any]] | None = None,
+    pool: list[dict[str, Any]] | None = None,
+) -> str:
     by_row: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_row.setdefault(r["config"], []).append(r)
@@ -205,6 +279,7 @@ def report(records: list[dict[str, Any]], unbounded: list[dict[str, Any]] | None
                 f"{b['shared_chain_seconds']:,.0f} | {tools:,.0f} | {others:,.0f} |"
             )
     extra = _unbounded_table(records, unbounded, rows) if unbounded else []
+    extra += _pool_table(pool, unbounded, rows) if pool else []
     return "\n".join(out + chains + extra) + "\n"
 
 
@@ -215,6 +290,11 @@ def main() -> int:
         action="store_true",
         help="simulate each row's candidate again with a pool that never fills",
     )
+    p.add_argument(
+        "--pool",
+        action="store_true",
+        help="simulate each row's candidate again on its pool, for its token-seconds",
+    )
     args = p.parse_args()
     records = _records()
     if not records:
@@ -222,8 +302,11 @@ def main() -> int:
         return 1
     if args.unbounded:
         UNBOUNDED.write_text(json.dumps(simulate_unbounded(), indent=1) + "\n")
+    if args.pool:
+        POOL.write_text(json.dumps(simulate_pool(), indent=1) + "\n")
     unbounded = json.loads(UNBOUNDED.read_text()) if UNBOUNDED.exists() else None
-    text = report(records, unbounded)
+    pool = json.loads(POOL.read_text()) if POOL.exists() else None
+    text = report(records, unbounded, pool)
     (RESULTS / "bound_gap.md").write_text(text)
     print(text, end="")
     return 0

@@ -443,6 +443,42 @@ def test_usage_and_physical_occupancy():
     assert end.extra["physical_occupancy"] == pytest.approx(kv / 20_000)
 
 
+def test_pool_token_seconds_by_holder():
+    """The pool's token-seconds split by what holds them: a request's locked KV while it
+    prefills and decodes, its cached KV once it finished (the engine idle), the rest free;
+    the four add up to the capacity times the time elapsed."""
+
+    async def main():
+        eng = engine(ScriptedModel(n=200))
+        await eng.generate(span(1, 2000), SamplingParams(max_new_tokens=300))
+        one = eng.stats()
+        await asyncio.sleep(1.0)  # the engine idles with the request's KV cached
+        await eng.generate(span(50_000, 1000), SP)
+        two = eng.stats()
+        await eng.aclose()
+        return one, two
+
+    one, two = run_virtual(main())
+    keys = ("decoding", "prefilling", "cached", "free")
+    for st in (one, two):
+        total = sum(st[f"kv_token_seconds_{k}"] for k in keys)
+        elapsed = st["seconds_busy"] + st["seconds_idle"]
+        assert total == pytest.approx(st["capacity_tokens"] * elapsed, rel=1e-9)
+    # alone: its 2,000 prompt tokens are allocated for its prefill, then it decodes 199
+    # tokens holding 2,000 to 2,198 of them; nothing else is cached
+    assert one["kv_token_seconds_prefilling"] == pytest.approx(2000 * one["seconds_prefill_new"])
+    held = one["kv_token_seconds_decoding"] / one["seconds_decode"]
+    assert 2000 < held < 2199
+    assert one["kv_token_seconds_cached"] == 0
+    # then its 2,199 tokens stay cached while the engine idles for a second and while the
+    # second request runs
+    kv = 2000 + 200 - 1
+    busy = two["seconds_busy"] - one["seconds_busy"]
+    cached = two["kv_token_seconds_cached"]
+    assert two["seconds_idle"] - one["seconds_idle"] == pytest.approx(1.0)
+    assert cached == pytest.approx(kv * (1.0 + busy))
+
+
 def test_retraction_when_decode_runs_out_of_memory():
     """Ten requests of 1000 + 1990 tokens cannot all decode in a 20k pool. Six fit at first;
     when the short one finishes, new_token_ratio has decayed, admission over-commits, and

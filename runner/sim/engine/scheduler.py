@@ -159,6 +159,13 @@ class _Stats:
     retractions: int = 0
     retracted_tokens: int = 0  # KV freed by retraction
     max_running: int = 0
+    # the pool's token-seconds by what holds them (their sum is capacity x elapsed time):
+    # KV locked by requests during decode / prefill iterations, cached but unlocked
+    # (evictable), and free
+    kv_token_seconds_decoding: float = 0.0
+    kv_token_seconds_prefilling: float = 0.0
+    kv_token_seconds_cached: float = 0.0
+    kv_token_seconds_free: float = 0.0
 
 
 class SimEngine:
@@ -476,8 +483,14 @@ class SimEngine:
         self._snapshot = self._read_cache()
         self._wake.clear()
         t0 = loop.time()
+        cached, free = self.tree.evictable_tokens, self.free_tokens
         await self._wake.wait()
-        self._st.seconds_idle += loop.time() - t0
+        waited = loop.time() - t0
+        self._st.seconds_idle += waited
+        # nothing runs, so nothing is locked: the pool is cached or free
+        self._st.kv_token_seconds_cached += cached * waited
+        self._st.kv_token_seconds_free += (self.capacity - cached) * waited
+        assert free == self.capacity - cached, "KV locked while the engine is idle"
 
     # ---- memory --------------------------------------------------------------------
 
@@ -677,6 +690,10 @@ class SimEngine:
         st.tokens_prefill_new += tokens - recompute
         st.tokens_prefill_recompute += recompute
         st.tokens_host_load += host_tokens
+        cached, free = self.tree.evictable_tokens, self.free_tokens
+        st.kv_token_seconds_prefilling += (self.capacity - cached - free) * cost.seconds
+        st.kv_token_seconds_cached += cached * cost.seconds
+        st.kv_token_seconds_free += free * cost.seconds
         await asyncio.sleep(cost.seconds)
 
         for c in batch:
@@ -720,14 +737,18 @@ class SimEngine:
 
         # Spend k iterations, or fewer: stop with the one during which the next timer fires.
         deadline = (self._clock.next_timer() if self._clock else math.inf) - loop.time()
-        seconds, steps = 0.0, 0
+        locked = self.capacity - self.tree.evictable_tokens - self.free_tokens
+        seconds, steps, held = 0.0, 0, 0.0
         while steps < k:
-            seconds += self.cost.decode(bs, ctx + steps * bs)
+            step = self.cost.decode(bs, ctx + steps * bs)
+            seconds += step
+            held += step * (locked + steps * bs)  # each step holds the KV of the one before
             steps += 1
             if seconds >= deadline:
                 break
         if not self._reserve(bs * steps):
             raise RuntimeError("KV pool accounting: decode block over memory")
+        cached = self.tree.evictable_tokens  # after the block's evictions
         for r in running:
             r.private += steps
         self._private += bs * steps
@@ -738,6 +759,9 @@ class SimEngine:
         st.seconds_busy += seconds
         st.seconds_decode += seconds
         st.tokens_decode += bs * steps
+        st.kv_token_seconds_decoding += held
+        st.kv_token_seconds_cached += cached * seconds
+        st.kv_token_seconds_free += (self.capacity - cached) * seconds - held
         await asyncio.sleep(seconds)
 
         finished = []

@@ -25,8 +25,10 @@ part that remains without any memory limit (the unbounded run against its own bo
 the report then shows where the pool's token-seconds went (the simulator's
 `kv_token_seconds_*`): KV locked by running requests during decode and during prefill
 iterations, cached but unlocked, and free, each over the pool's capacity (so in seconds,
-adding up to the run's); beside it the unbounded run's (`--unbounded`, with the new counters)
-over the same device capacity: what the schedule would hold with nothing evicted.
+adding up to the run's), and the run's tail (from the last control period with an agent
+waiting at the gate to the end: the pool is no longer full) with the mean KV usage before it
+and in it; beside it the unbounded run's token-seconds (`--unbounded`) over the same device
+capacity: what the schedule would hold with nothing evicted.
 """
 
 from __future__ import annotations
@@ -152,14 +154,29 @@ def simulate_pool() -> list[dict[str, Any]]:
     out = []
     for run in _candidate_runs():
         w = synthetic(run.workload, seed=0)
-        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)),
-                     paper.RUNS / f"{run.name}-pool", label=run.system,
-                     **paper.sim_settings(run))  # fmt: skip
+        dest = paper.RUNS / f"{run.name}-pool"
+        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)), dest,
+                     label=run.system, **paper.sim_settings(run))  # fmt: skip
         e = r.to_json()["engine"]
+        lines = [json.loads(x) for x in (dest / "control.jsonl").read_text().splitlines()]
         out.append({"config": run.config, "system": run.system, "sim_seconds": r.sim_seconds,
-                    "work_digest": r.to_json().get("work_digest"), "engine": e})  # fmt: skip
+                    "engine": e, **_tail(lines, r.sim_seconds)})  # fmt: skip
         print(f"  {run.name:28s} {r.sim_seconds:,.1f} s", flush=True)
     return out
+
+
+def _tail(lines: list[dict[str, Any]], seconds: float) -> dict[str, float | None]:
+    """The tail of a run, from its control lines: from the last period with an agent waiting
+    at the gate (paused or pending) to the end, and the mean KV usage U before and in it
+    (None: no period; a run where no agent waits after the start is all tail)."""
+    last = max((x["t"] for x in lines if x["paused"] + x["pending"] > 0), default=0.0)
+    before = [x["u"] for x in lines if last > 0 and x["t"] <= last]
+    after = [x["u"] for x in lines if x["t"] > last]
+    return {
+        "tail_seconds": seconds - last,
+        "u_before_tail": sum(before) / len(before) if before else None,
+        "u_in_tail": sum(after) / len(after) if after else None,
+    }
 
 
 def _held(e: dict[str, Any], capacity: int) -> list[float] | None:
@@ -184,12 +201,16 @@ def _pool_table(
             "during decode iterations (the shared prompt once); `prefilling`: locked during "
             "prefill iterations (the running requests waiting, and the batch's allocated "
             "prompts); `cached`: unlocked, evictable (agents in tools or paused, finished "
-            "agents, the shared prompt between requests); `free`. The unbounded run "
+            "agents, the shared prompt between requests); `free`. `tail`: from the last "
+            "control period with an agent waiting at the gate (paused or pending) to the end, "
+            "where the agents left no longer fill the pool; `U`: the engine's KV usage (locked "
+            "share) averaged over the control periods before and in it. The unbounded run "
             "(`--unbounded`) is the same schedule's need with nothing ever evicted, over the "
             "same device capacity: more than its seconds where the device pool could not hold "
             "it.", ""]  # fmt: skip
-    out += ["| row | run s / bound | decoding | prefilling | cached | free | unbounded run s | "
-            "its decoding / prefilling / cached |", "|---" * 8 + "|"]  # fmt: skip
+    out += ["| row | run s / bound | decoding | prefilling | cached | free | tail s (share) | "
+            "U before / in the tail | unbounded run s | its decoding / prefilling / cached |",
+            "|---" * 10 + "|"]  # fmt: skip
     for d in pool:
         title, _, _, b = rows[d["config"]]
         cap = d["engine"]["capacity_tokens"]
@@ -200,6 +221,12 @@ def _pool_table(
         uh = _held(u["engine"], cap) if u else None
         need = " / ".join(f"{x:,.0f}" for x in uh[:3]) if uh else "-"
         cells = [f"{x:,.0f} ({x / d['sim_seconds']:.0%})" for x in held]
+        if "tail_seconds" in d:
+            cells.append(f"{d['tail_seconds']:,.0f} ({d['tail_seconds'] / d['sim_seconds']:.0%})")
+            us = (d["u_before_tail"], d["u_in_tail"])
+            cells.append(" / ".join(f"{x:.2f}" if x is not None else "-" for x in us))
+        else:
+            cells += ["-", "-"]
         tail = f"{u['sim_seconds']:,.0f} | {need}" if u else "- | -"
         run = f"{d['sim_seconds']:,.0f} / {b:,.0f}"
         out.append(f"| {title} | {run} | {' | '.join(cells)} | {tail} |")

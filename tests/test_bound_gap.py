@@ -1,5 +1,7 @@
 """bench/bound_gap.py --unbounded: the deployment change that makes memory never bind."""
 
+import pytest
+
 from runner.policies import make_policy
 from runner.sim.engine import CostModel
 from runner.sim.engine import deployment as sim_deployment
@@ -35,3 +37,23 @@ def test_on_the_unbounded_pool_nothing_is_evicted_where_the_small_pool_evicts(tm
     assert small.to_json()["engine"]["evicted_tokens"] > 0
     assert big.to_json()["engine"]["evicted_tokens"] == 0
     assert big.sim_seconds < small.sim_seconds
+
+
+def test_the_tail_runs_from_the_last_period_with_an_agent_waiting():
+    gap = load_bench("bound_gap")
+    lines = [
+        {"t": 0.0, "paused": 0, "pending": 3, "u": 0.2},
+        {"t": 1.0, "paused": 2, "pending": 0, "u": 0.8},
+        {"t": 2.0, "paused": 0, "pending": 0, "u": 0.9},  # a gap: not yet the tail
+        {"t": 3.0, "paused": 1, "pending": 0, "u": 0.9},
+        {"t": 4.0, "paused": 0, "pending": 0, "u": 0.4},
+        {"t": 5.0, "paused": 0, "pending": 0, "u": 0.2},
+    ]
+    tail = gap._tail(lines, 6.5)
+    assert tail["tail_seconds"] == 3.5
+    assert tail["u_before_tail"] == (0.2 + 0.8 + 0.9 + 0.9) / 4
+    assert tail["u_in_tail"] == (0.4 + 0.2) / 2
+    # nobody waited after the start: the whole run is tail
+    alone = gap._tail(lines[4:], 6.5)
+    assert alone == {"tail_seconds": 6.5, "u_before_tail": None, "u_in_tail": pytest.approx(0.3)}
+    assert gap._tail(lines[:1], 6.5)["u_before_tail"] is None

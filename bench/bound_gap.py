@@ -149,18 +149,39 @@ def simulate_unbounded() -> list[dict[str, Any]]:
     return out
 
 
+def _logging(policy: Any, log: list[tuple[float, float]]) -> Any:
+    """The same policy, deciding the same, that also appends (period's time, slot holders'
+    contexts / pool) to `log` each period: the gate's view it is handed (`Signals.contexts`,
+    each holder's whole context, a shared prompt counted once per holder)."""
+    base = type(policy)
+
+    class Logged(base):  # type: ignore[misc, valid-type]
+        def update(self, s: Any) -> Any:
+            if s.capacity_tokens:
+                log.append((s.now, s.contexts.total(s.contexts.held) / s.capacity_tokens))
+            return super().update(s)
+
+    return Logged(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+
+
 def simulate_pool() -> list[dict[str, Any]]:
     """The candidate on every row on its own pool, for the pool's token-seconds."""
     out = []
     for run in _candidate_runs():
         w = synthetic(run.workload, seed=0)
         dest = paper.RUNS / f"{run.name}-pool"
-        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)), dest,
-                     label=run.system, **paper.sim_settings(run))  # fmt: skip
+        held: list[tuple[float, float]] = []
+        policy = _logging(make_policy(paper.policy_spec(run)), held)
+        r = simulate(w, run.deployment, policy, dest, label=run.system,
+                     **paper.sim_settings(run))  # fmt: skip
         e = r.to_json()["engine"]
         lines = [json.loads(x) for x in (dest / "control.jsonl").read_text().splitlines()]
+        tail = _tail(lines, r.sim_seconds)
+        last = r.sim_seconds - tail["tail_seconds"]
+        mid = [x for t, x in held if 30.0 <= t <= last]
+        ws = sum(mid) / len(mid) if mid else None
         out.append({"config": run.config, "system": run.system, "sim_seconds": r.sim_seconds,
-                    "engine": e, **_tail(lines, r.sim_seconds)})  # fmt: skip
+                    "engine": e, **tail, "holders_of_pool_before_tail": ws})  # fmt: skip
         print(f"  {run.name:28s} {r.sim_seconds:,.1f} s", flush=True)
     return out
 
@@ -204,13 +225,16 @@ def _pool_table(
             "agents, the shared prompt between requests); `free`. `tail`: from the last "
             "control period with an agent waiting at the gate (paused or pending) to the end, "
             "where the agents left no longer fill the pool; `U`: the engine's KV usage (locked "
-            "share) averaged over the control periods before and in it. The unbounded run "
+            "share) averaged over the control periods before and in it; `holders' contexts`: "
+            "the slot holders' contexts (the gate's view the policy is handed, a shared prompt "
+            "counted once per holder) over the pool, averaged from t = 30 s to the tail. The "
+            "unbounded run "
             "(`--unbounded`) is the same schedule's need with nothing ever evicted, over the "
             "same device capacity: more than its seconds where the device pool could not hold "
             "it.", ""]  # fmt: skip
     out += ["| row | run s / bound | decoding | prefilling | cached | free | tail s (share) | "
-            "U before / in the tail | unbounded run s | its decoding / prefilling / cached |",
-            "|---" * 10 + "|"]  # fmt: skip
+            "U before / in the tail | holders' contexts / pool before it | unbounded run s | "
+            "its decoding / prefilling / cached |", "|---" * 11 + "|"]  # fmt: skip
     for d in pool:
         title, _, _, b = rows[d["config"]]
         cap = d["engine"]["capacity_tokens"]
@@ -227,6 +251,8 @@ def _pool_table(
             cells.append(" / ".join(f"{x:.2f}" if x is not None else "-" for x in us))
         else:
             cells += ["-", "-"]
+        ws = d.get("holders_of_pool_before_tail")
+        cells.append(f"{ws:.2f}" if ws is not None else "-")
         tail = f"{u['sim_seconds']:,.0f} | {need}" if u else "- | -"
         run = f"{d['sim_seconds']:,.0f} / {b:,.0f}"
         out.append(f"| {title} | {run} | {' | '.join(cells)} | {tail} |")

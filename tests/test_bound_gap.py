@@ -57,3 +57,18 @@ def test_the_tail_runs_from_the_last_period_with_an_agent_waiting():
     alone = gap._tail(lines[4:], 6.5)
     assert alone == {"tail_seconds": 6.5, "u_before_tail": None, "u_in_tail": pytest.approx(0.3)}
     assert gap._tail(lines[:1], 6.5)["u_before_tail"] is None
+
+
+def test_the_logged_policy_decides_the_same_and_logs_the_holders_share(tmp_path):
+    gap = load_bench("bound_gap")
+    w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
+    plain = simulate(w, "tiny-cpu", make_policy("wset2"), tmp_path / "p", engine_options=CAP)
+    log: list[tuple[float, float]] = []
+    policy = gap._logging(make_policy("wset2"), log)
+    logged = simulate(w, "tiny-cpu", policy, tmp_path / "l", engine_options=CAP)
+    assert logged.sim_seconds == plain.sim_seconds
+    control = [(tmp_path / d / "control.jsonl").read_text() for d in ("p", "l")]
+    assert control[0] == control[1]
+    assert len(log) == len(control[0].splitlines())  # one entry a period
+    shares = [share for _, share in log]
+    assert all(x > 0 for x in shares[:-1]) and shares[-1] == 0  # the last period: all done

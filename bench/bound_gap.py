@@ -200,10 +200,8 @@ def _tail(lines: list[dict[str, Any]], seconds: float) -> dict[str, float | None
     }
 
 
-def _held(e: dict[str, Any], capacity: int) -> list[float] | None:
-    """The run's pool token-seconds by holder over `capacity` (None: counters absent)."""
-    if f"kv_token_seconds_{HOLDERS[0]}" not in e:
-        return None
+def _held(e: dict[str, Any], capacity: int) -> list[float]:
+    """The run's pool token-seconds by holder over `capacity`."""
     return [e[f"kv_token_seconds_{k}"] / capacity for k in HOLDERS]
 
 
@@ -239,20 +237,14 @@ def _pool_table(
         title, _, _, b = rows[d["config"]]
         cap = d["engine"]["capacity_tokens"]
         held = _held(d["engine"], cap)
-        if held is None:
-            continue
         u = free_of.get(d["config"])
         uh = _held(u["engine"], cap) if u else None
         need = " / ".join(f"{x:,.0f}" for x in uh[:3]) if uh else "-"
         cells = [f"{x:,.0f} ({x / d['sim_seconds']:.0%})" for x in held]
-        if "tail_seconds" in d:
-            cells.append(f"{d['tail_seconds']:,.0f} ({d['tail_seconds'] / d['sim_seconds']:.0%})")
-            us = (d["u_before_tail"], d["u_in_tail"])
-            cells.append(" / ".join(f"{x:.2f}" if x is not None else "-" for x in us))
-        else:
-            cells += ["-", "-"]
-        ws = d.get("holders_of_pool_before_tail")
-        cells.append(f"{ws:.2f}" if ws is not None else "-")
+        cells.append(f"{d['tail_seconds']:,.0f} ({d['tail_seconds'] / d['sim_seconds']:.0%})")
+        shares = (d["u_before_tail"], d["u_in_tail"], d["holders_of_pool_before_tail"])
+        ratios = [f"{x:.2f}" if x is not None else "-" for x in shares]
+        cells += [" / ".join(ratios[:2]), ratios[2]]
         tail = f"{u['sim_seconds']:,.0f} | {need}" if u else "- | -"
         run = f"{d['sim_seconds']:,.0f} / {b:,.0f}"
         out.append(f"| {title} | {run} | {' | '.join(cells)} | {tail} |")

@@ -3,7 +3,7 @@
 import pytest
 
 from runner.policies import make_policy
-from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound
+from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound, lower_bounds
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 
@@ -360,3 +360,11 @@ def test_filling_the_pool_raises_the_memory_term_and_stays_below_runs(
     r = simulate(w, "qwen3-32b-tp2", make_policy(policy), tmp_path / "r", engine_options=opts)
     assert r.engine["retractions"] == 0
     assert r.sim_seconds >= b["bound_seconds"], (r.sim_seconds, b)
+
+
+def test_lower_bounds_gives_each_tier_as_lower_bound_does():
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    opts = {"max_total_tokens": 7000}
+    device, host = lower_bounds(w, "qwen3-32b-tp2", **opts)
+    assert device == lower_bound(w, "qwen3-32b-tp2", **opts)
+    assert host == lower_bound(w, "qwen3-32b-tp2", host_tier=True, **opts)

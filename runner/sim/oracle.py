@@ -217,6 +217,21 @@ def lower_bound(
     counted exactly, each agent ended where the runner ends it) unless the engine would clip
     a reply; False (or where it would): over the trace's own tokens, as a driver without the
     runner sends them."""
+    return lower_bounds(
+        workload, deployment, (host_tier,), pcie_bytes_per_s, through_runner, **deployment_overrides
+    )[0]
+
+
+def lower_bounds(
+    workload: Workload,
+    deployment: str,
+    host_tiers: Sequence[bool] = (False, True),
+    pcie_bytes_per_s: float | None = None,
+    through_runner: bool = True,
+    **deployment_overrides: Any,
+) -> list[dict]:
+    """`lower_bound` for each of `host_tiers`, from one pass over the workload (the prompts
+    as sent and the totals are the same for both; only the memory term differs)."""
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep, pcie_bytes_per_s)
     sent = None
@@ -261,21 +276,26 @@ def lower_bound(
     longest = sorted(range(len(tot.chains)), key=lambda a: -tot.chains[a])[:SHARED_AGENTS]
     room = _admission_room(tot, sys_tokens, capacity)
     shared = max((_shared_chain_bound(cost, tot, widest, a, room) for a in longest), default=0.0)
-    memory = _coupled_memory_bound(
-        cost, tot, widest, sys_tokens, capacity, host_tier,
-        max(engine - slack, prefill_compute), engine, prefill, min_iters,
-    )  # fmt: skip
-    return {
-        "bound_seconds": round(max(memory, chain, shared), 3),
-        "engine_bound_seconds": round(engine, 3),
-        "memory_bound_seconds": round(memory, 3),
-        "prefill_seconds": round(prefill, 3),
-        "decode_seconds": round(decode, 3),
-        "longest_chain_seconds": round(chain, 3),
-        "shared_chain_seconds": round(shared, 3),
-        "decode_iterations_min": max(min_iters, iters),
-        "as_sent": workload is sent,
-    }
+    out = []
+    for host_tier in host_tiers:
+        memory = _coupled_memory_bound(
+            cost, tot, widest, sys_tokens, capacity, host_tier,
+            max(engine - slack, prefill_compute), engine, prefill, min_iters,
+        )  # fmt: skip
+        out.append(
+            {
+                "bound_seconds": round(max(memory, chain, shared), 3),
+                "engine_bound_seconds": round(engine, 3),
+                "memory_bound_seconds": round(memory, 3),
+                "prefill_seconds": round(prefill, 3),
+                "decode_seconds": round(decode, 3),
+                "longest_chain_seconds": round(chain, 3),
+                "shared_chain_seconds": round(shared, 3),
+                "decode_iterations_min": max(min_iters, iters),
+                "as_sent": workload is sent,
+            }
+        )
+    return out
 
 
 def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:

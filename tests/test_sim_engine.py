@@ -418,6 +418,23 @@ def test_chunked_prefill_spreads_a_long_prompt():
     assert st["decode_iterations"] == len(g.output_ids) - 1  # the prefill samples one token
 
 
+def test_a_long_prompt_behind_others_is_chunked_into_their_iteration():
+    # SGLang 0.5.16 on: with chunked prefill the per-iteration input cap
+    # (max_prefill_tokens) does not turn a long request away from a batch that already
+    # holds others (schedule_policy.py checks it only when chunking is off); it takes the
+    # chunk left: 200 + 800, then 1000 and 1000 (0.5.9 stopped the batch after the 200)
+    async def main():
+        eng = engine(chunked_prefill_size=1000, max_prefill_tokens=1500)
+        await asyncio.gather(eng.generate(span(1, 200), SP), eng.generate(span(5000, 2800), SP))
+        st = eng.stats()
+        await eng.aclose()
+        return st
+
+    st = run_virtual(main())
+    assert st["tokens_prefill_new"] == 3000
+    assert st["prefill_iterations"] == 3
+
+
 def test_usage_and_physical_occupancy():
     async def main():
         eng = engine(ScriptedModel(n=200))

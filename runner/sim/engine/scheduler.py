@@ -602,8 +602,9 @@ class SimEngine:
                 if need >= rem_total():
                     self._batch_is_full = True  # AddReqResult.NO_TOKEN
                     break
-                if extend >= rem_input and batch:
-                    break  # AddReqResult.OTHER
+                # No input cap for a request behind others: SGLang (0.5.16 on) checks
+                # max_prefill_tokens there only without chunked prefill, so a long one takes
+                # the chunk left (0.5.9 stopped the batch: AddReqResult.OTHER)
                 tree.inc_lock(m.device_node)
                 if need >= rem_total():  # locking made part of the evictable memory protected
                     tree.dec_lock(m.device_node)

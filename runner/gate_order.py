@@ -668,10 +668,12 @@ class _FitPast:
 
     def __call__(self, budget: float) -> int | None:
         ks, extra, blocks = self._ks, self._extra, self._blocks
+        sums, lost, lost_n, shared = self._sums, self._lost, self._lost_n, self._shared
+        holders = len(lost) - 1  # the last holder block (the last with dropped members)
 
-        def total(j: int) -> float:  # of the agents through block j
-            ints, kept = self._through(j)
-            return ints + kept * extra
+        def total(j: int) -> float:  # of the agents through block j: `_through` written out
+            h = min(j, holders)  # (the bisection's key, ~7 calls a fit)
+            return sums[j] - ks[j] * shared - lost[h] + (ks[j] - lost_n[h]) * extra
 
         # the whole blocks within the budget (the totals grow monotonically)
         j = bisect.bisect_right(range(len(blocks)), budget, key=total)
@@ -684,23 +686,26 @@ class _FitPast:
 
     def _within(self, b: Block, j: int, budget: float, before: int, t0: int, m0: int) -> int | None:
         """The count where block `b` (the j-th; `before` agents, totals `t0` + `m0` x extra
-        before it) holds the first total over the budget: its members' terms (0 for the
-        dropped ones) on from the blocks before, then bisected."""
+        before it) holds the first total over the budget: its members' running sum, less the
+        dropped ones' terms (found by their calls), bisected. The same integers as summing
+        each member's term (0 for the dropped), without a list of them and of the counts."""
         extra, shared, last, items = self._extra, self._shared, self._last, b.items
-        if b.low >= shared:
-            terms = list(map(operator.sub, map(_context, items), itertools.repeat(shared)))
-        else:
-            terms = [max(a.context, shared) - shared for a in items]
-        counted = [1] * len(terms)
-        if j < len(self._counts) and self._counts[j]:  # its members in a call, those past
-            for i in itertools.compress(itertools.count(), map(_in_call, items)):
-                if items[i].tool_since <= last:
-                    terms[i] = counted[i] = 0
-        t = list(itertools.accumulate(terms, initial=t0))
-        m = list(itertools.accumulate(counted, initial=m0))
-        i = bisect.bisect_right(range(1, len(t)), budget, key=lambda i: t[i] + m[i] * extra)
-        # t[i] + ... is the total of the count's agents; t[i + 1] + ... of one more (over)
-        return self._checked(budget, before + i, t[i] + m[i] * extra, t[i + 1] + m[i + 1] * extra)
+        floored = map(_context, items) if b.low >= shared else _floor(items, shared)
+        sums = list(itertools.accumulate(floored, initial=0))  # of max(c, shared), the first i
+        # the dropped members' places in the block, and their max(c, shared) summed before each
+        dropped: list[int] = []
+        if j < len(self._counts) and self._counts[j]:
+            in_call = itertools.compress(itertools.count(), map(_in_call, items))
+            dropped = [i for i in in_call if items[i].tool_since <= last]
+        lost = list(itertools.accumulate((sums[i + 1] - sums[i] for i in dropped), initial=0))
+
+        def total(i: int) -> float:  # of the agents through the block's first i members
+            d = bisect.bisect_left(dropped, i)  # how many of them are dropped
+            return t0 + sums[i] - lost[d] - (i - d) * shared + (m0 + i - d) * extra
+
+        i = bisect.bisect_right(range(1, len(sums)), budget, key=total)
+        # total(i) is the total of the count's agents; total(i + 1) of one more (over)
+        return self._checked(budget, before + i, total(i), total(i + 1))
 
     def _checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
         """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent

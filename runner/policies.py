@@ -610,8 +610,10 @@ class _RemainingTime:
 @functools.lru_cache(maxsize=4)
 def _longer(m: int) -> Any:
     """m - 1, m - 2, ..., 1 as a read-only numpy array: the count of calls longer than each
-    but the last of m durations, the same every period once m durations are kept."""
-    out = _numpy().arange(m - 1, 0, -1)
+    but the last of m durations, the same every period once m durations are kept. As
+    floats (exact): numpy casts integers to them in every operation with the durations."""
+    np = _numpy()
+    out = np.arange(m - 1, 0, -1, dtype=np.float64)
     out.flags.writeable = False
     return out
 

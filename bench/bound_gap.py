@@ -52,7 +52,7 @@ import stress  # noqa: E402
 from runner.policies import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import _totals, longest_prompt, lower_bound  # noqa: E402
+from runner.sim.oracle import _totals, longest_prompt, lower_bound, lower_bounds  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
@@ -308,7 +308,7 @@ def report(
     rows: dict[str, tuple[str, Workload, str, float]] = {}
     for key, title, dep, wl in bounds.rows():
         w = synthetic(wl, seed=0)
-        b, bh = lower_bound(w, dep), lower_bound(w, dep, host_tier=True)
+        b, bh = lower_bounds(w, dep)
         rows[key] = (title, w, dep, b["bound_seconds"])
         fixed = CostModel(sim_deployment(dep)).decode(1, 0)
         runs = by_row.get(key, [])

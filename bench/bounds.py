@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import paper  # noqa: E402
 import stress  # noqa: E402
 
-from runner.sim.oracle import lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bounds  # noqa: E402
 from runner.sim.workload import synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -71,7 +71,7 @@ def report(records: list[dict[str, Any]], seed: int = 0) -> tuple[str, list[str]
     for key, title, dep, wl in rows():
         runs = by_row.get(key, [])
         w = synthetic(wl, seed=seed)
-        b, bh = lower_bound(w, dep), lower_bound(w, dep, host_tier=True)
+        b, bh = lower_bounds(w, dep)
         terms = {
             "engine": b["engine_bound_seconds"],
             "memory": b["memory_bound_seconds"],

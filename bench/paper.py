@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.policies import make_policy  # noqa: E402
-from runner.sim.oracle import lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bound, lower_bounds  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import PRESETS, synthetic  # noqa: E402
 
@@ -442,8 +442,7 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
     out.append("|---" * (len(SYSTEMS) + 3) + "|")
     for c in TABLE1:
         workload = synthetic(c.workload, seed=seed)
-        b = lower_bound(workload, c.deployment)
-        b_host = lower_bound(workload, c.deployment, host_tier=True)
+        b, b_host = lower_bounds(workload, c.deployment)
         cells = []
         for s_ in SYSTEMS:
             r = by.get(f"{c.key}-{s_}")

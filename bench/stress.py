@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import paper  # noqa: E402
 
-from runner.sim.oracle import lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bounds  # noqa: E402
 from runner.sim.workload import synthetic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -98,10 +98,8 @@ def bounds(seed: int) -> dict[str, dict[str, Any]]:
     out = {}
     for row in ROWS:
         w = synthetic(row.workload, seed=seed)
-        out[row.key] = {
-            "device": lower_bound(w, row.deployment),
-            "host": lower_bound(w, row.deployment, host_tier=True),
-        }
+        device, host = lower_bounds(w, row.deployment)
+        out[row.key] = {"device": device, "host": host}
     return out
 
 

@@ -38,7 +38,8 @@ def test_bounds_report_flags_a_run_faster_than_its_bound():
     ]
     text, faster = bounds.report(recs)
     assert faster == ["qwen-tp8-fast"]
-    b = bounds.lower_bound(bounds.synthetic("paper", seed=0), "qwen3-32b-tp8")["bound_seconds"]
+    device, _ = bounds.lower_bounds(bounds.synthetic("paper", seed=0), "qwen3-32b-tp8")
+    b = device["bound_seconds"]
     assert f"| Qwen3-32B, 256 agents, TP8 | {b:,.0f} |" in text
     assert f"| 539 | {539 / b:.2f} |" in text  # wset against it
 

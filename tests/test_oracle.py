@@ -3,7 +3,7 @@
 import pytest
 
 from runner.policies import make_policy
-from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound
+from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound, lower_bounds
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 
@@ -82,8 +82,11 @@ def test_memory_term_binds_on_a_small_pool():
     w = synthetic("tiny", seed=3, **PRESSURED)
     roomy = lower_bound(w, "tiny-cpu", max_total_tokens=100_000)
     tight = lower_bound(w, "tiny-cpu", max_total_tokens=4000)
-    assert roomy["memory_bound_seconds"] == roomy["engine_bound_seconds"]
+    # on the roomy pool only the agents' own growth limits what it can hold (_fill): the
+    # memory term is above the engine term there but no further than their chains
+    assert roomy["memory_bound_seconds"] <= roomy["longest_chain_seconds"]
     assert tight["memory_bound_seconds"] > tight["engine_bound_seconds"]
+    assert tight["memory_bound_seconds"] > 1.4 * roomy["memory_bound_seconds"]
 
 
 def test_a_slow_host_tier_never_raises_the_bound_above_recompute():
@@ -318,3 +321,50 @@ def test_prefill_room_counts_a_truncated_continuation():
     assert _prefill_room(1) == CHUNK - 1  # one token is one chunk
     assert _prefill_room(2) == _prefill_room(500) == 2 * CHUNK - 2
     assert _prefill_room(5 * CHUNK - 100) == 2 * CHUNK - 2
+
+
+def test_fill_integrates_the_pool_its_agents_and_the_compute_can_hold_by_hand():
+    from runner.sim.oracle import _fill
+
+    # one agent may hold 100 more tokens from 1 s on, another 50, a third 100 from 3 s; a
+    # 200-token pool; 0.01 s per token computed, so by s at most 100 s tokens exist
+    fill = _fill([(3.0, 100), (1.0, 100), (1.0, 50)], 200, 0.01)
+    assert fill(0.5) == fill(1.0) == 0.0  # nothing may be held before 1 s
+    assert fill(1.5) == pytest.approx((1.5**2 - 1.0) / 0.02)  # compute-bound: 100 s
+    assert fill(3.0) == pytest.approx(62.5 + 150 * 1.5)  # the agents' 150 from 1.5 s
+    assert fill(4.0) == pytest.approx(287.5 + 200)  # 250 may be held, the pool is 200
+    # with neither limit it is the pool's token-seconds
+    assert _fill([(0.0, 10**9)], 200, 0.0)(4.0) == pytest.approx(800.0)
+
+
+@pytest.mark.parametrize("policy", ["none", "aimd", "wset", "wset2", "agent-cap:4"])
+def test_filling_the_pool_raises_the_memory_term_and_stays_below_runs(
+    tmp_path, monkeypatch, policy
+):
+    # 8 agents start at 64 tokens and grow to 8-10K on a 20K pool: no run can hold the
+    # pool's worth of contexts before the agents' chains have gone a few steps, so the pool's
+    # first seconds count for less than capacity x time
+    import runner.sim.oracle as oracle
+
+    w = synthetic(
+        "tiny", seed=1, agents=8, steps=(6, 8), start=64, final=(8000, 10000),
+        gen=(20, 40), tool_s=(0.5, 2.0), system=0,
+    )  # fmt: skip
+    opts = {"max_total_tokens": 20_000}
+    b = lower_bound(w, "qwen3-32b-tp2", **opts)
+    with monkeypatch.context() as m:  # the pool's whole token-seconds from t = 0
+        m.setattr(oracle, "_fill", lambda growth, capacity, per: lambda t: capacity * t)
+        whole = lower_bound(w, "qwen3-32b-tp2", **opts)
+    assert b["memory_bound_seconds"] > 1.03 * whole["memory_bound_seconds"]
+    assert b["bound_seconds"] == b["memory_bound_seconds"]  # and it binds
+    r = simulate(w, "qwen3-32b-tp2", make_policy(policy), tmp_path / "r", engine_options=opts)
+    assert r.engine["retractions"] == 0
+    assert r.sim_seconds >= b["bound_seconds"], (r.sim_seconds, b)
+
+
+def test_lower_bounds_gives_each_tier_as_lower_bound_does():
+    w = synthetic("tiny", seed=3, **PRESSURED)
+    opts = {"max_total_tokens": 7000}
+    device, host = lower_bounds(w, "qwen3-32b-tp2", **opts)
+    assert device == lower_bound(w, "qwen3-32b-tp2", **opts)
+    assert host == lower_bound(w, "qwen3-32b-tp2", host_tier=True, **opts)

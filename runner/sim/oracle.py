@@ -22,7 +22,9 @@ No schedule can finish sooner than any of:
   by the dropping agent's own chain; with a host tier a dropped token may instead be
   reloaded, which the forward can hide (the copy runs beside it, layer by layer) but the
   PCIe link cannot: at most time / (seconds per token reloaded) tokens come back, those of
-  the longest tools first. The bound is the least time at which all of this fits.
+  the longest tools first. Nor can the pool be full from the start: at each instant it
+  holds at most what the agents' chains can have grown to by then, and only tokens the
+  GPU has had the FLOPs to compute. The bound is the least time at which all of this fits.
 The engine term also counts the decode iterations SGLang's admission reserve forces (each
 admission needs min(max_new, 4096) free beyond the running requests' contexts and >= 0.098 x
 their reserves), and the memory term's decode iterations fit in the time the prefill leaves;
@@ -40,7 +42,7 @@ docs/simulator.md ("The oracle lower bound") gives each term's argument.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -103,6 +105,9 @@ class _Totals:
     # per decoding step: (least context its tokens attend, tokens, admission weight)
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     agent_admission: list[float] = field(default_factory=list)
+    # (time, tokens): from `time` on an agent may hold `tokens` more private context, the
+    # time being when its chain could first reach the step that adds them (_fill)
+    growth: list[tuple[float, int]] = field(default_factory=list)
 
 
 def _prefill_room(fresh: int) -> int:
@@ -147,6 +152,7 @@ def _totals(workload: Workload, cost: CostModel, template: bool = True) -> _Tota
         chain = hidden = tools = compute = slack = 0.0
         decode, reads, admission, fresh, room = tot.decode, tot.reads, tot.admission, tot.fresh, 0
         reserve = _reserve(workload, cost, agent, template)
+        held = 0  # the most private context it may hold so far (_fill)
         for i, s in enumerate(a.steps):
             tot.segments.append((start, ctx))
             tot.fresh += ctx - start
@@ -154,6 +160,9 @@ def _totals(workload: Workload, cost: CostModel, template: bool = True) -> _Tota
             tot.sampled += 1
             solo = cost.prefill([(start, ctx)])  # its own iteration at least
             chain += solo.seconds
+            # its decode and its tool hold at most ctx + g private tokens, from now on
+            tot.growth.append((chain, ctx + s.gen_tokens - sys_tokens - held))
+            held = ctx + s.gen_tokens - sys_tokens
             compute += solo.parts["compute"]
             slack += max(0.0, solo.parts["memory"] - solo.parts["compute"])
             if i:  # where recompute of what it lost in the tool before would land
@@ -208,6 +217,21 @@ def lower_bound(
     counted exactly, each agent ended where the runner ends it) unless the engine would clip
     a reply; False (or where it would): over the trace's own tokens, as a driver without the
     runner sends them."""
+    return lower_bounds(
+        workload, deployment, (host_tier,), pcie_bytes_per_s, through_runner, **deployment_overrides
+    )[0]
+
+
+def lower_bounds(
+    workload: Workload,
+    deployment: str,
+    host_tiers: Sequence[bool] = (False, True),
+    pcie_bytes_per_s: float | None = None,
+    through_runner: bool = True,
+    **deployment_overrides: Any,
+) -> list[dict]:
+    """`lower_bound` for each of `host_tiers`, from one pass over the workload (the prompts
+    as sent and the totals are the same for both; only the memory term differs)."""
     dep = sim_deployment(deployment, **deployment_overrides)
     cost = CostModel(dep, pcie_bytes_per_s)
     sent = None
@@ -252,21 +276,26 @@ def lower_bound(
     longest = sorted(range(len(tot.chains)), key=lambda a: -tot.chains[a])[:SHARED_AGENTS]
     room = _admission_room(tot, sys_tokens, capacity)
     shared = max((_shared_chain_bound(cost, tot, widest, a, room) for a in longest), default=0.0)
-    memory = _coupled_memory_bound(
-        cost, tot, widest, sys_tokens, capacity, host_tier,
-        max(engine - slack, prefill_compute), engine, prefill, min_iters,
-    )  # fmt: skip
-    return {
-        "bound_seconds": round(max(memory, chain, shared), 3),
-        "engine_bound_seconds": round(engine, 3),
-        "memory_bound_seconds": round(memory, 3),
-        "prefill_seconds": round(prefill, 3),
-        "decode_seconds": round(decode, 3),
-        "longest_chain_seconds": round(chain, 3),
-        "shared_chain_seconds": round(shared, 3),
-        "decode_iterations_min": max(min_iters, iters),
-        "as_sent": workload is sent,
-    }
+    out = []
+    for host_tier in host_tiers:
+        memory = _coupled_memory_bound(
+            cost, tot, widest, sys_tokens, capacity, host_tier,
+            max(engine - slack, prefill_compute), engine, prefill, min_iters,
+        )  # fmt: skip
+        out.append(
+            {
+                "bound_seconds": round(max(memory, chain, shared), 3),
+                "engine_bound_seconds": round(engine, 3),
+                "memory_bound_seconds": round(memory, 3),
+                "prefill_seconds": round(prefill, 3),
+                "decode_seconds": round(decode, 3),
+                "longest_chain_seconds": round(chain, 3),
+                "shared_chain_seconds": round(shared, 3),
+                "decode_iterations_min": max(min_iters, iters),
+                "as_sent": workload is sent,
+            }
+        )
+    return out
 
 
 def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
@@ -455,7 +484,43 @@ def _coupled_memory_bound(
 
     items = _drop_items(cost, tot, sys_tokens)
     reload = cost.host_load(1) if host_tier else None
-    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden, reload)
+    fill = _fill(tot.growth, capacity, cost.prefill_linear_per_token)
+    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden, reload, fill)
+
+
+def _fill(
+    growth: Sequence[tuple[float, int]], capacity: int, per_token: float
+) -> Callable[[float], float]:
+    """t -> the most token-seconds of private context the memory term can count in [0, t]
+    (docs/simulator.md, item 3, *Filling the pool*). At time s the pool holds at most
+    `capacity`; an agent holds at most the context of the furthest step its chain can
+    have reached by s (`growth`); and every resident token was computed by then, in
+    iterations that each take at least `per_token` (its linear layers' FLOPs) per token
+    they compute, so at most s / per_token of them."""
+    times, levels = [0.0], [0]
+    for t, n in sorted(growth):
+        if t > times[-1]:
+            times.append(t)
+            levels.append(levels[-1])
+        levels[-1] += n
+
+    def area(t0: float, t1: float, level: int) -> float:
+        """The integral of min(level, capacity, s / per_token) over s in [t0, t1]."""
+        c = min(level, capacity)
+        if per_token <= 0:
+            return c * (t1 - t0)
+        x = min(max(c * per_token, t0), t1)  # where s / per_token reaches c
+        return (x * x - t0 * t0) / (2 * per_token) + c * (t1 - x)
+
+    done = [0.0]
+    for i in range(1, len(times)):
+        done.append(done[-1] + area(times[i - 1], times[i], levels[i - 1]))
+
+    def room(t: float) -> float:
+        i = bisect_right(times, t) - 1
+        return done[i] + area(times[i], t, levels[i]) if t > 0 else 0.0
+
+    return room
 
 
 def _drop_items(
@@ -485,8 +550,10 @@ def _memory_bound(
     chains: Sequence[float] = (),
     hidden: Sequence[float] = (),
     reload: float | None = None,
+    fill: Callable[[float], float] | None = None,
 ) -> float:
-    """The least T >= floor at which the memory fits: capacity x T >= held(T) + the tools'
+    """The least T >= floor at which the memory fits: fill(T) (default capacity x T: the
+    pool's token-seconds, or what of them a run can fill, _fill) >= held(T) + the tools'
     residency - what drops save, where the drops' recompute fits both the engine
     (engine + cost <= T) and each agent's own chain (its drops cost it at least their
     recompute less what its prefills hide: chains[a] + cost_a - hidden[a] <= T; agent -1:
@@ -521,7 +588,7 @@ def _memory_bound(
         if h is None or engine > t:
             return False
         # token-seconds the drops must save
-        need = h + tools - capacity * t - reloaded(t)
+        need = h + tools - (capacity * t if fill is None else fill(t)) - reloaded(t)
         budget = t - engine
         left = [t - c + hidden[a] for a, c in enumerate(chains)]
         for sec, per, n, agent in order:

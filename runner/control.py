@@ -165,6 +165,7 @@ class Controller:
         after = self.gate.resize(decision.window)
         c = self.gate.counts()
         events = self.gate.drain_events()
+        named = None if order is None else str(order)
         line = {
             "t": round(now - self._t0, 3),
             **({"rank": self.rank} if self.rank is not None else {}),
@@ -173,18 +174,21 @@ class Controller:
             "u": cache.usage,
             "h": sig.hit_rate,
             "branch": decision.branch,
-            **({"order": str(order)} if order is not None else {}),
+            **({"order": named} if named is not None else {}),
             **({"coalesce_s": hold.seconds} if hold is not None else {}),
             "recompute": None if sig.recompute_rate is None else round(sig.recompute_rate, 4),
             "requests": tally.requests,
-            **{k: c[k] for k in ("active", "paused", "pending", "finished")},
+            "active": c["active"],
+            "paused": c["paused"],
+            "pending": c["pending"],
+            "finished": c["finished"],
             **_by_kind(events),
         }
         self.stats.windows.append(after)
         self.stats.periods += 1
         self.stats.branches[decision.branch] = self.stats.branches.get(decision.branch, 0) + 1
-        if order is not None:
-            self.stats.orders[str(order)] = self.stats.orders.get(str(order), 0) + 1
+        if named is not None:
+            self.stats.orders[named] = self.stats.orders.get(named, 0) + 1
         self.stats.coalescing += hold is not None
         self.stats.last = line
         return line

@@ -41,12 +41,21 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .gate_order import UNPLACED, Block, ContextsView, KeepOrder, ToolCalls, ToolsView
+from .gate_order import (
+    UNPLACED,
+    Block,
+    ContextsView,
+    KeepOrder,
+    Segment,
+    ToolCalls,
+    ToolsView,
+)
 
 PAUSE_RULES: dict[str, str] = {
     "newest": "pause the most recently admitted agents first (LIFO; default)",
@@ -64,6 +73,11 @@ RESUME_RULES: dict[str, str] = {
     "pending seconds summed)",
 }
 HOLDING = ("active", "marked")
+_items = operator.attrgetter("items")
+_paused_seconds = operator.attrgetter("paused_seconds")
+_pending_seconds = operator.attrgetter("pending_seconds")
+_admitted_seq = operator.attrgetter("admitted_seq")
+_active_stamp = operator.attrgetter("active_stamp")
 # a run of at least this many holders marked or unmarked at once moves as whole blocks; a
 # shorter one moves agent by agent (cheaper than cutting and joining blocks)
 RUN = 16
@@ -552,8 +566,7 @@ class Gate:
         stale entries outnumber the live ones."""
         heap = self._by_wait
         if heap is None or len(heap) > 2 * self._n["active"] + 64:
-            heap = [(_waited(a), -a.admitted_seq, a.active_stamp, a) for a in self._keep.active]
-            heapq.heapify(heap)
+            heap = _by_wait(self._keep.active)
             self._by_wait = heap
         out: list[_Agent] = []
         while heap and len(out) < excess:
@@ -632,6 +645,18 @@ class Gate:
         self._move(a, "active")
         if a.waiter is not None and not a.waiter.done():
             a.waiter.set_result(None)
+
+
+def _by_wait(active: Segment) -> list[tuple[float, int, int, _Agent]]:
+    """`Gate._by_wait` built from the active agents: their entries, (waited, -admitted_seq,
+    active_stamp, agent), mapped in C rather than one tuple built in Python each (the first
+    period under `least-waited` at 5,000 holders: ~2.9 ms that way), then heapified."""
+    agents = list(itertools.chain.from_iterable(map(_items, active.blocks)))
+    waited = map(operator.add, map(_paused_seconds, agents), map(_pending_seconds, agents))
+    seqs = map(operator.neg, map(_admitted_seq, agents))
+    heap = list(zip(waited, seqs, map(_active_stamp, agents), agents, strict=True))
+    heapq.heapify(heap)
+    return heap
 
 
 def _waited(a: _Agent) -> float:

@@ -489,10 +489,17 @@ class ToolCalls:
         since = self.open.pop(a)
         del self.starts[bisect.bisect_left(self.starts, since)]
 
-    def begun_by(self, past: Callable[[float], bool]) -> int:
+    def begun_by(self, past: Callable[[float], bool], near: float) -> int:
         """How many calls `past` holds of by their start (it holds of the earliest ones:
-        true up to some start, false from it on)."""
-        return bisect.bisect_left(self.starts, True, key=lambda since: not past(since))
+        true up to some start, false from it on), `near` being about the start where it
+        turns. Found by a bisection of the starts by value, checked by `past` on either side
+        (two calls of it where a bisection by `past` makes ~10); where roundings or equal
+        starts put the turn elsewhere, by a bisection by `past`."""
+        starts = self.starts
+        i = bisect.bisect_right(starts, near)
+        if (i == 0 or past(starts[i - 1])) and (i == len(starts) or not past(starts[i])):
+            return i
+        return bisect.bisect_left(starts, True, key=lambda since: not past(since))
 
     def done(self, seconds: float) -> None:
         """A call finished after `seconds`."""
@@ -518,7 +525,7 @@ class ToolsView:
 
     def held_past(self, seconds: float) -> list[tuple[int, int]]:
         # oldest call first, so the longest in a tool first: the first n
-        n = self._calls.begun_by(self._past(seconds))
+        n = self._calls.begun_by(self._past(seconds), self._turn(seconds))
         if not n:
             return []
         past = list(itertools.islice(self._calls.open, n))
@@ -551,7 +558,7 @@ class ToolsView:
         dropped = self._dropped(seconds)
         if dropped is None:
             return contexts.fit(budget, extra, shared)
-        return _FitPast(contexts._blocks(), *dropped, self._past(seconds), extra, shared)(budget)
+        return _FitPast(contexts._blocks(), *dropped, extra, shared)(budget)
 
     def _past(self, seconds: float) -> Callable[[float], bool]:
         """Whether a call begun at a time is past `seconds` now (held_past's test): true for
@@ -564,29 +571,39 @@ class ToolsView:
 
         return past
 
-    def _dropped(self, seconds: float) -> tuple[list[int], list[int]] | None:
+    def _turn(self, seconds: float) -> float:
+        """About the start from which a call is not past `seconds` now (`_past` turns there,
+        but for roundings): `seconds` ago, or now where `seconds` <= 0 (only the calls begun
+        before now are past it then)."""
+        return self._now - max(seconds, 0.0)
+
+    def _dropped(self, seconds: float) -> tuple[list[int], list[int], float] | None:
         """The holders past `seconds` in a call: how many, and their contexts summed, in each
-        holder block (active, then marked: the keep order's first blocks); None if none is.
-        They are the calls begun first (`held_past`): counted from those where they are the
+        holder block (active, then marked: the keep order's first blocks), and the latest
+        start among their calls; None if none is. They are the calls begun first
+        (`held_past`), so a call is past the time iff it began by that latest start (one
+        comparison where `_past` makes a call). Counted from those where they are the
         fewer, else from the blocks' sums of their members in a call (`Block.calls`,
         `call_total`) less the holders in a call short of the time."""
         calls = self._calls.open
-        n = self._calls.begun_by(self._past(seconds))
+        n = self._calls.begun_by(self._past(seconds), self._turn(seconds))
         if not n:
             return None
         blocks = [*self._order.active.blocks, *self._order.marked.blocks]
+        at = dict(zip(blocks, itertools.count()))
         if n <= len(calls) - n:
             counts, sums = [0] * len(blocks), [0] * len(blocks)
-            members, sign = itertools.islice(calls, n), 1
+            for a in itertools.islice(calls, n):
+                i = at[a.block]
+                counts[i] += 1
+                sums[i] += a.context
         else:
             counts, sums = list(map(_calls, blocks)), list(map(_call_total, blocks))
-            members, sign = itertools.islice(reversed(calls), len(calls) - n), -1
-        at = dict(zip(blocks, itertools.count()))
-        for a in members:
-            i = at[a.block]
-            counts[i] += sign
-            sums[i] += sign * a.context
-        return counts, sums
+            for a in itertools.islice(reversed(calls), len(calls) - n):
+                i = at[a.block]
+                counts[i] -= 1
+                sums[i] -= a.context
+        return counts, sums, self._calls.starts[n - 1]
 
 
 class _FitPast:
@@ -605,12 +622,13 @@ class _FitPast:
         blocks: list[Block],
         counts: list[int],
         sums: list[int],
-        past: Callable[[float], bool],
+        last: float,
         extra: float,
         shared: int,
     ) -> None:
-        """`counts` and `sums`: the dropped members of the first blocks (`_dropped`)."""
-        self._blocks, self._counts, self._past = blocks, counts, past
+        """`counts`, `sums` and `last`: the dropped members of the first blocks, and the
+        latest start of their calls (`_dropped`)."""
+        self._blocks, self._counts, self._last = blocks, counts, last
         self._extra, self._shared = extra, shared
         lost: Iterator[int]
         if min(map(_low, blocks)) >= shared:  # every term max(c, shared) is c: from the sums
@@ -643,17 +661,19 @@ class _FitPast:
         shared = self._shared
         if not n or b.low >= shared or b.refresh_low() >= shared:
             return total - n * shared
-        past = self._past
+        last = self._last
         return sum(
-            max(a.context, shared) - shared for a in b.items if a.in_call and past(a.tool_since)
+            max(a.context, shared) - shared for a in b.items if a.in_call and a.tool_since <= last
         )
 
     def __call__(self, budget: float) -> int | None:
         ks, extra, blocks = self._ks, self._extra, self._blocks
+        sums, lost, lost_n, shared = self._sums, self._lost, self._lost_n, self._shared
+        holders = len(lost) - 1  # the last holder block (the last with dropped members)
 
-        def total(j: int) -> float:  # of the agents through block j
-            ints, kept = self._through(j)
-            return ints + kept * extra
+        def total(j: int) -> float:  # of the agents through block j: `_through` written out
+            h = min(j, holders)  # (the bisection's key, ~7 calls a fit)
+            return sums[j] - ks[j] * shared - lost[h] + (ks[j] - lost_n[h]) * extra
 
         # the whole blocks within the budget (the totals grow monotonically)
         j = bisect.bisect_right(range(len(blocks)), budget, key=total)
@@ -666,23 +686,26 @@ class _FitPast:
 
     def _within(self, b: Block, j: int, budget: float, before: int, t0: int, m0: int) -> int | None:
         """The count where block `b` (the j-th; `before` agents, totals `t0` + `m0` x extra
-        before it) holds the first total over the budget: its members' terms (0 for the
-        dropped ones) on from the blocks before, then bisected."""
-        extra, shared, past, items = self._extra, self._shared, self._past, b.items
-        if b.low >= shared:
-            terms = list(map(operator.sub, map(_context, items), itertools.repeat(shared)))
-        else:
-            terms = [max(a.context, shared) - shared for a in items]
-        counted = [1] * len(terms)
-        if j < len(self._counts) and self._counts[j]:  # its members in a call, those past
-            for i in itertools.compress(itertools.count(), map(_in_call, items)):
-                if past(items[i].tool_since):
-                    terms[i] = counted[i] = 0
-        t = list(itertools.accumulate(terms, initial=t0))
-        m = list(itertools.accumulate(counted, initial=m0))
-        i = bisect.bisect_right(range(1, len(t)), budget, key=lambda i: t[i] + m[i] * extra)
-        # t[i] + ... is the total of the count's agents; t[i + 1] + ... of one more (over)
-        return self._checked(budget, before + i, t[i] + m[i] * extra, t[i + 1] + m[i + 1] * extra)
+        before it) holds the first total over the budget: its members' running sum, less the
+        dropped ones' terms (found by their calls), bisected. The same integers as summing
+        each member's term (0 for the dropped), without a list of them and of the counts."""
+        extra, shared, last, items = self._extra, self._shared, self._last, b.items
+        floored = map(_context, items) if b.low >= shared else _floor(items, shared)
+        sums = list(itertools.accumulate(floored, initial=0))  # of max(c, shared), the first i
+        # the dropped members' places in the block, and their max(c, shared) summed before each
+        dropped: list[int] = []
+        if j < len(self._counts) and self._counts[j]:
+            in_call = itertools.compress(itertools.count(), map(_in_call, items))
+            dropped = [i for i in in_call if items[i].tool_since <= last]
+        lost = list(itertools.accumulate((sums[i + 1] - sums[i] for i in dropped), initial=0))
+
+        def total(i: int) -> float:  # of the agents through the block's first i members
+            d = bisect.bisect_left(dropped, i)  # how many of them are dropped
+            return t0 + sums[i] - lost[d] - (i - d) * shared + (m0 + i - d) * extra
+
+        i = bisect.bisect_right(range(1, len(sums)), budget, key=total)
+        # total(i) is the total of the count's agents; total(i + 1) of one more (over)
+        return self._checked(budget, before + i, total(i), total(i + 1))
 
     def _checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
         """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent

@@ -568,51 +568,52 @@ class _RemainingTime:
     scalar expression, element by element: the same values)."""
 
     def __init__(self, ascending: Sequence[float]) -> None:
-        self._np = np = _numpy()
-        if isinstance(ascending, array):  # the gate's view hands a copy: read it in place
-            self._d = d = np.frombuffer(ascending, dtype=np.float64)
-        else:
-            self._d = d = np.asarray(ascending, dtype=np.float64)
-        # suffix[i]: the durations from i on, summed from the largest down (one running sum,
-        # written backwards into place), and 0 past the last
-        m = len(d)
-        self._suffix = suffix = np.zeros(m + 1)
-        if m:
-            d[::-1].cumsum(out=suffix[m - 1 :: -1])  # the method: no wrapper call
+        np = _numpy()
+        # the durations both as a plain array (its scalars, and bisect, cost less than
+        # numpy's) and as numpy's view of it (for the passes over all of them); the gate's
+        # view hands a copy, read in place
+        self._a = a = ascending if isinstance(ascending, array) else array("d", ascending)
+        self._d = np.frombuffer(a, dtype=np.float64)
+        # longest[k]: the k + 1 longest durations summed, from the largest down (one running
+        # sum): the durations from m - 1 - k on
+        self._longest = self._d[::-1].cumsum()  # the method: no wrapper call
 
     def median(self) -> float:
         """The middle duration (of an even count, the upper of the two)."""
-        return float(self._d[len(self._d) // 2])
+        return self._a[len(self._a) // 2]
 
     def expected(self, spent: float) -> float:
-        i = int(self._np.searchsorted(self._d, spent, side="right"))
-        n = len(self._d) - i
-        return spent if n == 0 else float(_mean_excess(self._suffix[i], n, spent))
+        n = len(self._a) - bisect.bisect_right(self._a, spent)
+        return spent if n == 0 else float(_mean_excess(self._longest[n - 1], n, spent))
 
     def first_above(self, x: float) -> float:
-        d, suffix, m = self._d, self._suffix, len(self._d)
+        a, d, m = self._a, self._d, len(self._a)
         # every call, as one just begun (a Python float: the same IEEE operations as numpy's)
-        if m and _mean_excess(float(suffix[0]), m, 0.0) > x:
+        if m and _mean_excess(float(self._longest[-1]), m, 0.0) > x:
             return 0.0
-        # just past d[j] (the last of equal durations): the calls longer than it
-        above = _mean_excess(suffix[1:m], _longer(m), d[:-1]) > x
-        first = int(above.argmax()) if m > 1 else 0  # the first True (0 if none)
-        if m > 1 and above[first] and d[first + 1] == d[first]:  # not the last of its ties:
-            above &= d[1:] != d[:-1]  # the first among the last of equal durations, then
-            first = int(above.argmax())
-        if m > 1 and above[first]:
-            return float(d[first])
+        if m > 1:
+            # just past d[j] (the last of equal durations): the m - 1 - j calls longer than
+            # it, their durations summed (longest[m - 2 - j], j = 0 .. m - 2)
+            above = _mean_excess(self._longest[-2::-1], _longer(m), d[:-1]) > x
+            first = int(above.argmax())  # the first True (0 if none)
+            if above[first] and a[first + 1] == a[first]:  # not the last of its ties:
+                above &= d[1:] != d[:-1]  # the first among the last of equal durations, then
+                first = int(above.argmax())
+            if above[first]:
+                return a[first]
         # beyond every finished call the expected remainder is the time spent
-        if m and d[-1] > x:
-            return float(d[-1])
+        if m and a[-1] > x:
+            return a[-1]
         return math.nextafter(x, math.inf)
 
 
 @functools.lru_cache(maxsize=4)
 def _longer(m: int) -> Any:
     """m - 1, m - 2, ..., 1 as a read-only numpy array: the count of calls longer than each
-    but the last of m durations, the same every period once m durations are kept."""
-    out = _numpy().arange(m - 1, 0, -1)
+    but the last of m durations, the same every period once m durations are kept. As
+    floats (exact): numpy casts integers to them in every operation with the durations."""
+    np = _numpy()
+    out = np.arange(m - 1, 0, -1, dtype=np.float64)
     out.flags.writeable = False
     return out
 

@@ -276,12 +276,12 @@ def lower_bounds(
     longest = sorted(range(len(tot.chains)), key=lambda a: -tot.chains[a])[:SHARED_AGENTS]
     room = _admission_room(tot, sys_tokens, capacity)
     shared = max((_shared_chain_bound(cost, tot, widest, a, room) for a in longest), default=0.0)
+    memories = _coupled_memory_bounds(
+        cost, tot, widest, sys_tokens, capacity, host_tiers,
+        max(engine - slack, prefill_compute), engine, prefill, min_iters,
+    )  # fmt: skip
     out = []
-    for host_tier in host_tiers:
-        memory = _coupled_memory_bound(
-            cost, tot, widest, sys_tokens, capacity, host_tier,
-            max(engine - slack, prefill_compute), engine, prefill, min_iters,
-        )  # fmt: skip
+    for memory in memories:
         out.append(
             {
                 "bound_seconds": round(max(memory, chain, shared), 3),
@@ -441,26 +441,27 @@ def _least_sum(values: list[tuple[float, int]]) -> Callable[[int], float]:
     return least
 
 
-def _coupled_memory_bound(
+def _coupled_memory_bounds(
     cost: CostModel,
     tot: _Totals,
     agents: int,
     sys_tokens: int,
     capacity: int,
-    host_tier: bool,
+    host_tiers: Sequence[bool],
     engine: float,
     floor: float,
     prefill: float = 0.0,
     min_iters: int = 0,
-) -> float:
-    """The memory bound, coupled to N, the decode iterations. Each lasts at least base +
-    k x C (one token's weights, launch and all-reduce latency, plus reading the C context
-    tokens of its requests) while those contexts are resident, so (C' = C without the shared
-    prompt) their residency is >= sum C' (base + k C) >= base R' + k (max(Q, R'^2 / N) +
-    sys R'); and the N iterations take >= N base + k R + the extra weights and all-reduce
-    bytes of batching, in the time the prefill iterations (>= `prefill` seconds) leave, so a
-    run of T seconds has N <= N(T); N >= `min_iters` (the pool, admission). `engine` is the
-    work the drops' recompute adds to, `floor` a bound already proven (docs/simulator.md)."""
+) -> list[float]:
+    """The memory bound for each of `host_tiers` (all but the reloads shared), coupled to N, the
+    decode iterations. Each lasts at least base + k x C (one token's weights, launch and
+    all-reduce latency, plus reading the C context tokens of its requests) while those contexts
+    are resident, so (C' = C without the shared prompt) their residency is >= sum C' (base + k
+    C) >= base R' + k (max(Q, R'^2 / N) + sys R'); and the N iterations take >= N base + k R +
+    the extra weights and all-reduce bytes of batching, in the time the prefill iterations (>=
+    `prefill` seconds) leave, so a run of T seconds has N <= N(T); N >= `min_iters` (the pool,
+    admission). `engine` is the work the drops' recompute adds to, `floor` a bound already
+    proven (docs/simulator.md)."""
     one, base, k = _decode_unit(cost)
     # batching: a token beyond the first adds at least the chord of the (concave) expert
     # weights read over 1..agents (the widest batch), and its all-reduce bytes
@@ -483,9 +484,21 @@ def _coupled_memory_bound(
         return base * rp + k * (max(tot.squares, rp * rp / n) + sys_tokens * rp)
 
     items = _drop_items(cost, tot, sys_tokens)
-    reload = cost.host_load(1) if host_tier else None
     fill = _fill(tot.growth, capacity, cost.prefill_linear_per_token)
-    return _memory_bound(floor, engine, held, items, capacity, tot.chains, tot.hidden, reload, fill)
+    return [
+        _memory_bound(
+            floor,
+            engine,
+            held,
+            items,
+            capacity,
+            tot.chains,
+            tot.hidden,
+            cost.host_load(1) if host_tier else None,
+            fill,
+        )
+        for host_tier in host_tiers
+    ]
 
 
 def _fill(

@@ -555,10 +555,13 @@ class ToolsView:
             return None
         if budget < 0:
             return 0
-        dropped = self._dropped(seconds)
-        if dropped is None:
+        n = self._calls.begun_by(self._past(seconds), self._turn(seconds))
+        if not n:
             return contexts.fit(budget, extra, shared)
-        return _FitPast(contexts._blocks(), *dropped, extra, shared)(budget)
+        near = _fit_near_turn(self._order, self._calls, n, budget, extra, shared)
+        if not isinstance(near, _Far):
+            return near
+        return _FitPast(contexts._blocks(), *self._dropped(n), extra, shared)(budget)
 
     def _past(self, seconds: float) -> Callable[[float], bool]:
         """Whether a call begun at a time is past `seconds` now (held_past's test): true for
@@ -577,18 +580,15 @@ class ToolsView:
         before now are past it then)."""
         return self._now - max(seconds, 0.0)
 
-    def _dropped(self, seconds: float) -> tuple[list[int], list[int], float] | None:
-        """The holders past `seconds` in a call: how many, and their contexts summed, in each
-        holder block (active, then marked: the keep order's first blocks), and the latest
-        start among their calls; None if none is. They are the calls begun first
+    def _dropped(self, n: int) -> tuple[list[int], list[int], float]:
+        """The n holders past the time in a call (`begun_by`): how many, and their contexts
+        summed, in each holder block (active, then marked: the keep order's first blocks),
+        and the latest start among their calls. They are the calls begun first
         (`held_past`), so a call is past the time iff it began by that latest start (one
         comparison where `_past` makes a call). Counted from those where they are the
         fewer, else from the blocks' sums of their members in a call (`Block.calls`,
         `call_total`) less the holders in a call short of the time."""
         calls = self._calls.open
-        n = self._calls.begun_by(self._past(seconds), self._turn(seconds))
-        if not n:
-            return None
         blocks = [*self._order.active.blocks, *self._order.marked.blocks]
         at = dict(zip(blocks, itertools.count()))
         if n <= len(calls) - n:
@@ -606,16 +606,157 @@ class ToolsView:
         return counts, sums, self._calls.starts[n - 1]
 
 
-class _FitPast:
-    """`ToolsView.fit_dropping` on blocks whose dropped members are known by block. The
-    first k agents' total T(k) is I(k) + m(k) x extra, with I(k) the integer sum of
-    max(c, shared) - shared over the members not dropped and m(k) their count: found per
-    block from its sums (the dropped ones' sum taken off), so the count is a bisection over
-    the blocks' running totals, then one within the block where the budget runs out (its
-    dropped members found there by their calls). `_fit_dropping` sums the same terms as
-    floats in another order: the two differ at most by the roundings of such sums
-    (`_checked`), so where T at the count or just past it is that close to the budget, the
-    answer is None and the caller's float sums decide."""
+# holder blocks `ToolsView.fit_dropping` walks back from the last one (`_fit_near_turn`)
+# before it takes the per-block counts (`_FitPast`)
+WALK_BACK = 3
+
+
+class _Far:
+    """`_fit_near_turn`'s answer where the budget runs out further back than it looks."""
+
+
+_FAR = _Far()
+
+
+def _fit_near_turn(
+    order: KeepOrder, calls: ToolCalls, n: int, budget: float, extra: float, shared: int
+) -> int | _Far | None:
+    """`_FitPast`'s answer (the n calls begun first being past the time, `budget` >= 0)
+    where the budget runs out among the waiters or in the last `WALK_BACK` holder blocks:
+    in nearly every period, since the window follows the fit and the gate marks or admits
+    the agents about there. Needs no count per block (`_dropped`: a dict of the blocks and
+    a Python loop over the fewer of the calls past the time and short of it, most of a
+    period's fit): the holders' totals are the blocks' sums less the past calls' contexts
+    (summed in C from the fewer side), the last holder blocks are taken off them one by one
+    (their dropped members found by their calls, as in the block `_FitPast` walks), and
+    the waiters have none dropped. The same integers as `_FitPast`, so the same count or
+    None; `_FAR` where the budget runs out further back, or some context may be below
+    `shared` (`_FitPast` floors those)."""
+    active, marked, paused, pending = order.segments
+    holders, waiters = [*active.blocks, *marked.blocks], [*paused.blocks, *pending.blocks]
+    if min(map(_low, holders), default=shared) < shared or (
+        min(map(_low, waiters), default=shared) < shared
+    ):
+        return _FAR
+    held, held_total = active.size + marked.size, sum(map(_total, holders))
+    everyone = held + paused.size + pending.size
+    terms = _Terms(
+        extra, shared, calls.starts[n - 1], everyone, held_total + sum(map(_total, waiters))
+    )
+    past = calls.open  # oldest call first: the n past the time, then those short of it
+    if n <= len(past) - n:
+        lost = sum(map(_context, itertools.islice(past, n)))
+    else:
+        short = itertools.islice(reversed(past), len(past) - n)
+        lost = sum(map(_call_total, holders)) - sum(map(_context, short))
+    # through the holders: the integer part of the totals of those not dropped, their count
+    t, m = held_total - held * shared - (lost - n * shared), held - n
+    total = t + m * extra
+    if total <= budget:
+        return terms.among_waiters(waiters, budget, held, t, m)
+    if total > budget:
+        return terms.back_from(holders, budget, held, t, m)
+    return _FAR  # a NaN
+
+
+class _Terms:
+    """The fit's terms (each agent not dropped counts max(c, shared) - shared + extra, the
+    dropped ones, in a call begun by `last`, 0), and the guard on the roundings: what
+    `_FitPast` and `_fit_near_turn` share. Totals are an integer part plus a count x extra.
+    `_fit_dropping` sums the same terms as floats in another order: the two differ at most
+    by the roundings of such sums (`checked`), so where the total at the count or just past
+    it is that close to the budget, the answer is None and the caller's float sums decide."""
+
+    def __init__(self, extra: float, shared: int, last: float, n: int, total: int) -> None:
+        """`n`: every agent; `total`: every agent's max(c, shared) summed."""
+        self._extra, self._shared, self._last, self._n = extra, shared, last, n
+        # |every sum either path forms| <= this: the budget, all terms, and k x |per|
+        self._scale = total + n * (extra + shared)
+
+    def dropped_in(self, items: list[Any]) -> list[int]:
+        """The places of a block's dropped members (in a call begun by `last`)."""
+        in_call = itertools.compress(itertools.count(), map(_in_call, items))
+        return [i for i in in_call if items[i].tool_since <= self._last]
+
+    def among_waiters(
+        self, waiters: list[Block], budget: float, before: int, t: int, m: int
+    ) -> int | None:
+        """The count where the budget runs out among the waiters' blocks (none dropped
+        there; `before` agents, totals `t` + `m` x extra, ahead of them)."""
+        shared, extra = self._shared, self._extra
+        sums = list(itertools.accumulate(map(_total, waiters)))
+        ks = list(itertools.accumulate(map(len, map(_keys, waiters))))
+
+        def total(j: int) -> float:  # of the agents through waiter block j
+            return t + sums[j] - ks[j] * shared + (m + ks[j]) * extra
+
+        j = bisect.bisect_right(range(len(waiters)), budget, key=total)
+        if j == len(waiters):
+            return self.checked(
+                budget, before + (ks[-1] if ks else 0), total(j - 1) if j else t + m * extra, None
+            )
+        if j:
+            before, t, m = before + ks[j - 1], t + sums[j - 1] - ks[j - 1] * shared, m + ks[j - 1]
+        return self.within(waiters[j], [], budget, before, t, m)
+
+    def back_from(
+        self, holders: list[Block], budget: float, before: int, t: int, m: int
+    ) -> int | _Far | None:
+        """The count where the budget runs out in one of the last `WALK_BACK` holder blocks
+        (`before` agents, totals `t` + `m` x extra, through them all: over the budget)."""
+        shared, extra = self._shared, self._extra
+        for j in range(len(holders) - 1, max(-1, len(holders) - 1 - WALK_BACK), -1):
+            b = holders[j]
+            dropped = self.dropped_in(b.items) if b.calls else []
+            k, d = len(b.keys), len(dropped)
+            lost = sum(b.items[i].context for i in dropped)  # none below `shared`
+            before, t, m = before - k, t - (b.total - k * shared - (lost - d * shared)), m - k + d
+            if t + m * extra <= budget:  # the totals through the block before it
+                return self.within(b, dropped, budget, before, t, m)
+        return _FAR
+
+    def within(
+        self, b: Block, dropped: list[int], budget: float, before: int, t0: int, m0: int
+    ) -> int | None:
+        """The count where block `b` (`before` agents, totals `t0` + `m0` x extra, before
+        it; its `dropped` members' places) holds the first total over the budget: its
+        members' running sum, less the dropped ones' terms, bisected. The same integers as
+        summing each member's term (0 for the dropped), without a list of them and of the
+        counts."""
+        extra, shared, items = self._extra, self._shared, b.items
+        floored = map(_context, items) if b.low >= shared else _floor(items, shared)
+        sums = list(itertools.accumulate(floored, initial=0))  # of max(c, shared), the first i
+        # the dropped members' max(c, shared) summed before each
+        lost = list(itertools.accumulate((sums[i + 1] - sums[i] for i in dropped), initial=0))
+
+        def total(i: int) -> float:  # of the agents through the block's first i members
+            d = bisect.bisect_left(dropped, i)  # how many of them are dropped
+            return t0 + sums[i] - lost[d] - (i - d) * shared + (m0 + i - d) * extra
+
+        i = bisect.bisect_right(range(1, len(sums)), budget, key=total)
+        # total(i) is the total of the count's agents; total(i + 1) of one more (over)
+        return self.checked(budget, before + i, total(i), total(i + 1))
+
+    def checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
+        """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent
+        past it) is within the two paths' rounding of the budget: then None."""
+        slack = (self._n + 8) * 2.0**-50 * (abs(budget) + self._scale)
+        if not math.isfinite(slack):  # an infinite budget: nothing to bound the roundings by
+            return None
+        if count and within > budget - slack:
+            return None
+        if over is not None and over <= budget + slack:
+            return None
+        return count
+
+
+class _FitPast(_Terms):
+    """`ToolsView.fit_dropping` on blocks whose dropped members are known by block (where
+    `_fit_near_turn` cannot answer). The first k agents' total T(k) is I(k) + m(k) x extra,
+    with I(k) the integer sum of max(c, shared) - shared over the members not dropped and
+    m(k) their count: found per block from its sums (the dropped ones' sum taken off), so
+    the count is a bisection over the blocks' running totals, then one within the block
+    where the budget runs out (its dropped members found there by their calls)."""
 
     def __init__(
         self,
@@ -628,8 +769,8 @@ class _FitPast:
     ) -> None:
         """`counts`, `sums` and `last`: the dropped members of the first blocks, and the
         latest start of their calls (`_dropped`)."""
-        self._blocks, self._counts, self._last = blocks, counts, last
-        self._extra, self._shared = extra, shared
+        self._blocks, self._counts = blocks, counts
+        self._shared, self._last = shared, last  # for `_dropped_floored`, before `_Terms`
         lost: Iterator[int]
         if min(map(_low, blocks)) >= shared:  # every term max(c, shared) is c: from the sums
             floored = map(_total, blocks)
@@ -643,9 +784,7 @@ class _FitPast:
         self._ks = list(itertools.accumulate(map(len, map(_keys, blocks))))
         self._lost_n = list(itertools.accumulate(counts))
         self._lost = list(itertools.accumulate(lost))
-        n = self._ks[-1]
-        # |every sum either path forms| <= this: the budget, all terms, and k x |per|
-        self._scale, self._n = self._sums[-1] + n * (extra + shared), n
+        super().__init__(extra, shared, last, self._ks[-1], self._sums[-1])
 
     def _through(self, j: int) -> tuple[int, int]:
         """Through block j: the integer part of the totals of the agents not dropped, and
@@ -678,43 +817,9 @@ class _FitPast:
         # the whole blocks within the budget (the totals grow monotonically)
         j = bisect.bisect_right(range(len(blocks)), budget, key=total)
         if j == len(blocks):
-            return self._checked(budget, ks[-1], total(j - 1), None)
+            return self.checked(budget, ks[-1], total(j - 1), None)
         # in block j, its members' totals on from the blocks before
         b, before = blocks[j], (ks[j - 1] if j else 0)
         start = self._through(j - 1) if j else (0, 0)
-        return self._within(b, j, budget, before, *start)
-
-    def _within(self, b: Block, j: int, budget: float, before: int, t0: int, m0: int) -> int | None:
-        """The count where block `b` (the j-th; `before` agents, totals `t0` + `m0` x extra
-        before it) holds the first total over the budget: its members' running sum, less the
-        dropped ones' terms (found by their calls), bisected. The same integers as summing
-        each member's term (0 for the dropped), without a list of them and of the counts."""
-        extra, shared, last, items = self._extra, self._shared, self._last, b.items
-        floored = map(_context, items) if b.low >= shared else _floor(items, shared)
-        sums = list(itertools.accumulate(floored, initial=0))  # of max(c, shared), the first i
-        # the dropped members' places in the block, and their max(c, shared) summed before each
-        dropped: list[int] = []
-        if j < len(self._counts) and self._counts[j]:
-            in_call = itertools.compress(itertools.count(), map(_in_call, items))
-            dropped = [i for i in in_call if items[i].tool_since <= last]
-        lost = list(itertools.accumulate((sums[i + 1] - sums[i] for i in dropped), initial=0))
-
-        def total(i: int) -> float:  # of the agents through the block's first i members
-            d = bisect.bisect_left(dropped, i)  # how many of them are dropped
-            return t0 + sums[i] - lost[d] - (i - d) * shared + (m0 + i - d) * extra
-
-        i = bisect.bisect_right(range(1, len(sums)), budget, key=total)
-        # total(i) is the total of the count's agents; total(i + 1) of one more (over)
-        return self._checked(budget, before + i, total(i), total(i + 1))
-
-    def _checked(self, budget: float, count: int, within: float, over: float | None) -> int | None:
-        """`count`, unless the total at it (`within`) or just past it (`over`; None: no agent
-        past it) is within the two paths' rounding of the budget: then None."""
-        slack = (self._n + 8) * 2.0**-50 * (abs(budget) + self._scale)
-        if not math.isfinite(slack):  # an infinite budget: nothing to bound the roundings by
-            return None
-        if count and within > budget - slack:
-            return None
-        if over is not None and over <= budget + slack:
-            return None
-        return count
+        dropped = self.dropped_in(b.items) if j < len(self._counts) and self._counts[j] else []
+        return self.within(b, dropped, budget, before, *start)

@@ -88,6 +88,7 @@ def compare(
                 )
                 assert got_fit in (None, want_b), (b, extra, shared, got_fit, want_b)
                 fast.update(asked=1, answered=got_fit is not None)
+                near_or_far(gate, after, b, extra, shared, fast)
         got = policy.update(new_s)
         want = reference_wset2.update(policy, old_s, held_s, durations)
         # the order: FAIR where the pool is recomputed in under fair_below median calls
@@ -96,6 +97,24 @@ def compare(
         )
         assert got == (dataclasses.replace(want, order=FAIR) if spread else want)
     return dropped_total
+
+
+def near_or_far(gate: Gate, after: float, budget: float, extra: float, shared: int, fast: Counter):
+    """The fit near the holders' end (`_fit_near_turn`) answers as the per-block counts
+    (`_FitPast`) do wherever it answers; `fast` counts where it did, by where the budget ran
+    out (after the holders, in their last blocks), and where it left it to `_FitPast`."""
+    view, order, calls = gate.tools(), gate._keep, gate._calls
+    n = calls.begun_by(view._past(after), view._turn(after))
+    if not n or budget < 0:
+        return
+    near = gate_order._fit_near_turn(order, calls, n, budget, extra, shared)
+    per_block = gate_order._FitPast(gate.contexts()._blocks(), *view._dropped(n), extra, shared)
+    if isinstance(near, gate_order._Far):
+        fast.update(far=1)
+        return
+    assert near == per_block(budget), (budget, extra, shared, near)
+    fast.update(near_after=near is not None and near >= gate.contexts().held)
+    fast.update(near_back=near is not None and near < gate.contexts().held)
 
 
 async def run_sequence(seed: int, n_events: int, fast: Counter) -> int:
@@ -159,6 +178,8 @@ async def test_wset2_decides_as_the_path_it_replaced(monkeypatch, kept, sequence
     assert dropped > 1000  # the sequences do drop holders: the comparison is not vacuous
     # the per-block sums answer nearly every fit (None only at a near tie)
     assert fast["answered"] > 0.95 * fast["asked"] > 1000, fast
+    # both ways the fit near the holders' end answers, and the per-block path, are taken
+    assert min(fast["near_after"], fast["near_back"], fast["far"]) > 200, fast
 
 
 def test_remaining_time_is_the_scalar_scan_it_replaced():

@@ -24,7 +24,7 @@ import itertools
 import math
 import operator
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -609,6 +609,9 @@ class ToolsView:
 # holder blocks `ToolsView.fit_dropping` walks back from the last one (`_fit_near_turn`)
 # before it takes the per-block counts (`_FitPast`)
 WALK_BACK = 3
+# ... or, where the blocks with dropped members are known (few calls past the time), this
+# many (the marked holders' blocks, and the last active ones)
+WALK_BACK_KNOWN = 32
 
 
 class _Far:
@@ -644,7 +647,9 @@ def _fit_near_turn(
         extra, shared, calls.starts[n - 1], everyone, held_total + sum(map(_total, waiters))
     )
     past = calls.open  # oldest call first: the n past the time, then those short of it
+    with_past: Counter[Block] | None = None  # by block, where the past calls are the fewer
     if n <= len(past) - n:
+        with_past = Counter(map(_block, itertools.islice(past, n)))  # counted in C
         lost = sum(map(_context, itertools.islice(past, n)))
     else:
         short = itertools.islice(reversed(past), len(past) - n)
@@ -655,7 +660,7 @@ def _fit_near_turn(
     if total <= budget:
         return terms.among_waiters(waiters, budget, held, t, m)
     if total > budget:
-        return terms.back_from(holders, budget, held, t, m)
+        return terms.back_from(holders, budget, held, t, m, with_past)
     return _FAR  # a NaN
 
 
@@ -700,14 +705,25 @@ class _Terms:
         return self.within(waiters[j], [], budget, before, t, m)
 
     def back_from(
-        self, holders: list[Block], budget: float, before: int, t: int, m: int
+        self,
+        holders: list[Block],
+        budget: float,
+        before: int,
+        t: int,
+        m: int,
+        with_past: Counter[Block] | None,
     ) -> int | _Far | None:
-        """The count where the budget runs out in one of the last `WALK_BACK` holder blocks
-        (`before` agents, totals `t` + `m` x extra, through them all: over the budget)."""
+        """The count where the budget runs out in one of the last holder blocks (`before`
+        agents, totals `t` + `m` x extra, through them all: over the budget), each taken
+        off in turn. A block's dropped members are found by their calls; `with_past`, where
+        the caller has it, names the blocks that have any (the others are not looked at),
+        and then up to `WALK_BACK_KNOWN` blocks are walked, else `WALK_BACK`."""
         shared, extra = self._shared, self._extra
-        for j in range(len(holders) - 1, max(-1, len(holders) - 1 - WALK_BACK), -1):
+        reach = WALK_BACK if with_past is None else WALK_BACK_KNOWN
+        for j in range(len(holders) - 1, max(-1, len(holders) - 1 - reach), -1):
             b = holders[j]
-            dropped = self.dropped_in(b.items) if b.calls else []
+            look = b.calls if with_past is None else b in with_past
+            dropped = self.dropped_in(b.items) if look else []
             k, d = len(b.keys), len(dropped)
             lost = sum(b.items[i].context for i in dropped)  # none below `shared`
             before, t, m = before - k, t - (b.total - k * shared - (lost - d * shared)), m - k + d

@@ -24,7 +24,7 @@ import itertools
 import math
 import operator
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -619,6 +619,7 @@ class _Far:
 
 
 _FAR = _Far()
+_NONE = (0, 0)  # no dropped member in a block: how many, their contexts summed
 
 
 def _fit_near_turn(
@@ -647,9 +648,17 @@ def _fit_near_turn(
         extra, shared, calls.starts[n - 1], everyone, held_total + sum(map(_total, waiters))
     )
     past = calls.open  # oldest call first: the n past the time, then those short of it
-    with_past: Counter[Block] | None = None  # by block, where the past calls are the fewer
+    # by block, where the past calls are the fewer: how many, and their contexts summed
+    with_past: dict[Block, list[int]] | None = None
     if n <= len(past) - n:
-        with_past = Counter(map(_block, itertools.islice(past, n)))  # counted in C
+        with_past = {}
+        for a in itertools.islice(past, n):
+            got = with_past.get(a.block)
+            if got is None:
+                with_past[a.block] = [1, a.context]
+            else:
+                got[0] += 1
+                got[1] += a.context
         lost = sum(map(_context, itertools.islice(past, n)))
     else:
         short = itertools.islice(reversed(past), len(past) - n)
@@ -711,23 +720,30 @@ class _Terms:
         before: int,
         t: int,
         m: int,
-        with_past: Counter[Block] | None,
+        with_past: dict[Block, list[int]] | None,
     ) -> int | _Far | None:
         """The count where the budget runs out in one of the last holder blocks (`before`
         agents, totals `t` + `m` x extra, through them all: over the budget), each taken
         off in turn. A block's dropped members are found by their calls; `with_past`, where
-        the caller has it, names the blocks that have any (the others are not looked at),
-        and then up to `WALK_BACK_KNOWN` blocks are walked, else `WALK_BACK`."""
+        the caller has it, gives the blocks that have any, how many and their contexts
+        summed, so only
+        the block where the budget runs out is looked into, and then up to
+        `WALK_BACK_KNOWN` blocks are walked, else `WALK_BACK`."""
         shared, extra = self._shared, self._extra
         reach = WALK_BACK if with_past is None else WALK_BACK_KNOWN
         for j in range(len(holders) - 1, max(-1, len(holders) - 1 - reach), -1):
             b = holders[j]
-            look = b.calls if with_past is None else b in with_past
-            dropped = self.dropped_in(b.items) if look else []
-            k, d = len(b.keys), len(dropped)
-            lost = sum(b.items[i].context for i in dropped)  # none below `shared`
+            if with_past is None:
+                dropped = self.dropped_in(b.items) if b.calls else []
+                d, lost = len(dropped), sum(b.items[i].context for i in dropped)
+            else:  # the places of its dropped members are looked for below, if needed
+                d, lost = with_past.get(b, _NONE)
+                dropped = None
+            k = len(b.keys)  # (no context below `shared`: each term is c - shared + extra)
             before, t, m = before - k, t - (b.total - k * shared - (lost - d * shared)), m - k + d
             if t + m * extra <= budget:  # the totals through the block before it
+                if dropped is None:
+                    dropped = self.dropped_in(b.items) if d else []
                 return self.within(b, dropped, budget, before, t, m)
         return _FAR
 

@@ -612,6 +612,9 @@ WALK_BACK = 3
 # ... or, where the blocks with dropped members are known (few calls past the time), this
 # many (the marked holders' blocks, and the last active ones)
 WALK_BACK_KNOWN = 32
+# members of the block where the budget runs out summed first from its end (`within_back`),
+# then twice as many, and so on
+TAIL = 32
 
 
 class _Far:
@@ -744,8 +747,41 @@ class _Terms:
             if t + m * extra <= budget:  # the totals through the block before it
                 if dropped is None:
                     dropped = self.dropped_in(b.items) if d else []
-                return self.within(b, dropped, budget, before, t, m)
+                end = (t + (b.total - k * shared - (lost - d * shared)), m + k - d)
+                return self.within_back(b, dropped, budget, before, *end)
         return _FAR
+
+    def within_back(
+        self, b: Block, dropped: list[int], budget: float, before: int, t1: int, m1: int
+    ) -> int | None:
+        """`within`, from the end of block `b` (totals `t1` + `m1` x extra through it, over
+        the budget; through the block before it, within): the running sums of its last `TAIL`,
+        2 x `TAIL`, ... members until the budget is within them, so that where the budget runs out
+        near the block's end (as the walk back from the holders' end finds it) few members
+        are read. The same integers as `within`: a prefix's totals are the block's less its
+        members' after it."""
+        extra, shared, items = self._extra, self._shared, b.items
+        k, nd = len(items), len(dropped)
+        # the dropped members' contexts summed from the e-th of them to the block's end
+        on = itertools.accumulate((items[i].context for i in reversed(dropped)), initial=0)
+        from_dropped = list(on)[::-1]
+        tail = [0]  # the block's last r contexts summed, r = 0, 1, ... (extended as needed)
+
+        def total(i: int) -> float:  # of the agents through the block's first i members
+            r, e = k - i, bisect.bisect_left(dropped, i)  # after them: members, dropped
+            kept = r - (nd - e)
+            return t1 - (tail[r] - from_dropped[e] - kept * shared) + (m1 - kept) * extra
+
+        lo, q = k, TAIL
+        while lo:  # the last q members' sums, until the budget is within them
+            start = max(0, k - q)
+            more = itertools.accumulate(map(_context, reversed(items[start:lo])), initial=tail[-1])
+            tail += itertools.islice(more, 1, None)
+            lo, q = start, 2 * q
+            if total(lo) <= budget:
+                break
+        i = lo + bisect.bisect_right(range(lo + 1, k + 1), budget, key=total)
+        return self.checked(budget, before + i, total(i), total(i + 1))
 
     def within(
         self, b: Block, dropped: list[int], budget: float, before: int, t0: int, m0: int

@@ -493,7 +493,8 @@ class WorkingSet2:
     def update(self, s: Signals) -> Decision:
         d = self._window(s)
         coalesce = self._coalesce(s)
-        return d if coalesce is None else dataclasses.replace(d, coalesce=coalesce)
+        # built directly: dataclasses.replace reads the fields anew in every period
+        return d if coalesce is None else Decision(d.window, d.branch, d.order, coalesce)
 
     def _window(self, s: Signals) -> Decision:
         if not s.capacity_tokens:

@@ -170,6 +170,8 @@ async def test_wset2_decides_as_the_path_it_replaced(monkeypatch, kept, sequence
     # tiny blocks (many of them) and, in one run, few kept durations (the oldest evicted
     # from the sorted array all the time)
     monkeypatch.setattr(gate_order, "LOAD", 2)
+    # the block where the budget runs out read from its end 1, 2, 4, ... members at a time
+    monkeypatch.setattr(gate_order, "TAIL", 1)
     monkeypatch.setattr(gate_module, "TOOL_DURATIONS_KEPT", kept)
     monkeypatch.setattr(reference_gate, "TOOL_DURATIONS_KEPT", kept)
     dropped, fast = 0, Counter[str]()

@@ -514,8 +514,9 @@ class ToolsView:
     """The holders' tool calls as a policy reads them (runner.policies.Tools), at the instant
     it was made: `held_past` walks only the holders it returns (the calls begun longest ago)
     and finds their places in the keep order through their blocks; `durations` copies a
-    sorted array; `fit_dropping` reads the blocks' sums of their members in a call and walks
-    only the fewer of the holders past the time and those in a call short of it."""
+    sorted array; `fit_dropping` reads the blocks' sums (of all their members and of those
+    in a call) and sums the contexts of only the fewer of the holders past the time and
+    those in a call short of it."""
 
     def __init__(self, order: KeepOrder, calls: ToolCalls, now: float) -> None:
         self._order, self._calls, self._now = order, calls, now
@@ -545,10 +546,11 @@ class ToolsView:
         """runner.policies._fit_dropping(contexts, budget, extra, shared,
         held_past(seconds)): how many of the first agents fit `budget` when the holders past
         `seconds` in a call count 0, each other max(0, context - shared) + extra. From the
-        blocks' sums, without placing each dropped holder in the keep order (see `_FitPast`).
-        None where it cannot answer so: `contexts` is not this gate's view, or the count is
-        within rounding of a tie (the caller then takes the holder-by-holder path, whose
-        float sums decide it)."""
+        blocks' sums, without placing each dropped holder in the keep order: near the
+        holders' end where the budget runs out there (`_fit_near_turn`), else by block
+        (`_FitPast`). None where it cannot answer so: `contexts` is not this gate's view,
+        or the count is within rounding of a tie (the caller then takes the
+        holder-by-holder path, whose float sums decide it)."""
         if extra < 0:
             raise ValueError(f"extra must be >= 0 (each agent's term >= 0), got {extra!r}")
         if not isinstance(contexts, ContextsView) or contexts._order is not self._order:
@@ -629,16 +631,17 @@ def _fit_near_turn(
     order: KeepOrder, calls: ToolCalls, n: int, budget: float, extra: float, shared: int
 ) -> int | _Far | None:
     """`_FitPast`'s answer (the n calls begun first being past the time, `budget` >= 0)
-    where the budget runs out among the waiters or in the last `WALK_BACK` holder blocks:
+    where the budget runs out among the waiters or in the last holder blocks (`back_from`):
     in nearly every period, since the window follows the fit and the gate marks or admits
     the agents about there. Needs no count per block (`_dropped`: a dict of the blocks and
     a Python loop over the fewer of the calls past the time and short of it, most of a
-    period's fit): the holders' totals are the blocks' sums less the past calls' contexts
-    (summed in C from the fewer side), the last holder blocks are taken off them one by one
-    (their dropped members found by their calls, as in the block `_FitPast` walks), and
-    the waiters have none dropped. The same integers as `_FitPast`, so the same count or
-    None; `_FAR` where the budget runs out further back, or some context may be below
-    `shared` (`_FitPast` floors those)."""
+    period's fit where those short of it are the fewer): the holders' totals are the
+    blocks' sums less the past calls' contexts (summed in C from the fewer side), the last
+    holder blocks are taken off them one by one (their dropped members found by their
+    calls, or, where the past calls are the fewer, counted by block in one loop over
+    those), and the waiters have none dropped. The same integers as `_FitPast`, so the
+    same count or None; `_FAR` where the budget runs out further back, or some context may
+    be below `shared` (`_FitPast` floors those)."""
     active, marked, paused, pending = order.segments
     holders, waiters = [*active.blocks, *marked.blocks], [*paused.blocks, *pending.blocks]
     if min(map(_low, holders), default=shared) < shared or (

@@ -37,6 +37,7 @@ NOT_RESULTS = frozenset(
         "workspace_fs",  # how the same size limit is enforced
         "eval_only",
         "threads",
+        "order_from",  # which task starts first, not what any does
     }
 )
 PACKAGES = ("concur-runner", "llama-cpp-python", "sglang", "torch", "datasets", "matplotlib")

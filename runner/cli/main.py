@@ -23,6 +23,8 @@ from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, limits_lin
 from ..batch import Batch, BatchConfig
 from ..datasets import parse_field_map
 from ..engine import SamplingParams
+from ..ordering import describe as describe_order
+from ..ordering import longest_first, previous_lengths
 from ..policies import Policy, make_policy
 from ..progress import Progress
 from ..session import LoopRunner, execute
@@ -59,6 +61,10 @@ class Plan:
     sha256: str | None = None  # the dataset file's content (None: hub or simulated)
 
 
+def task_id(task: Task) -> str:
+    return task.id
+
+
 def report(argv: list[str]) -> int:
     from ..report.command import main as report_main
 
@@ -91,7 +97,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         check_options(args)
         policy = policy_from_args(args)
-        plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
+        plan, order_note = make_plan(args)
     except (ValueError, OSError) as e:  # TaskSourceError is a ValueError
         return fail(str(e))
     if not plan.tasks:
@@ -112,6 +118,8 @@ def _main(args: argparse.Namespace) -> int:
         return fail(problem)
     setup_logging(store.log, args.quiet)
     report_bad_records(store, plan.bad)
+    if order_note:  # a warning where no task was found: the order is the dataset's
+        (log.info if order_note[0] else log.warning)("%s", order_note[1])
     if args.ray is not None:  # a batch over many nodes: the workers build their own runners
         from .scaleout import run_on_ray
 
@@ -220,6 +228,20 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 
 
 # ---- plans --------------------------------------------------------------------------------
+
+
+def make_plan(args: argparse.Namespace) -> tuple[Plan, tuple[bool, str] | None]:
+    """The plan, its tasks in the order --order-from gives, and the line saying where that
+    order came from (with whether any task was found there)."""
+    # read first: a simulated plan replaces its run folder, which may be the one named
+    lengths = previous_lengths(args.order_from) if args.order_from else None
+    plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
+    if lengths is None:
+        return plan, None
+    found = any(t.id in lengths.seconds for t in plan.tasks)
+    note = (found, describe_order(lengths, plan.tasks, task_id))
+    plan.tasks = longest_first(plan.tasks, lengths.seconds, task_id)
+    return plan, note
 
 
 def dataset_plan(args: argparse.Namespace) -> Plan:

@@ -230,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between control updates (U and H read, the window resized)",
     )
     g.add_argument(
+        "--order-from",
+        type=Path,
+        metavar="RUN",
+        help="start the tasks that took longest in this previous run of them (its folder or "
+        "trajectories.jsonl: their generating and tool seconds) first, and tasks it does not "
+        "hold before all; by default the dataset's order (docs/gate.md, Task order)",
+    )
+    g.add_argument(
         "--pause-rule",
         default=BatchConfig.pause_rule,
         choices=list(PAUSE_RULES),

@@ -732,8 +732,7 @@ class _Terms:
         agents, totals `t` + `m` x extra, through them all: over the budget), each taken
         off in turn. A block's dropped members are found by their calls; `with_past`, where
         the caller has it, gives the blocks that have any, how many and their contexts
-        summed, so only
-        the block where the budget runs out is looked into, and then up to
+        summed, so that only the block where the budget runs out is looked into: then up to
         `WALK_BACK_KNOWN` blocks are walked, else `WALK_BACK`."""
         shared, extra = self._shared, self._extra
         reach = WALK_BACK if with_past is None else WALK_BACK_KNOWN
@@ -758,11 +757,11 @@ class _Terms:
         self, b: Block, dropped: list[int], budget: float, before: int, t1: int, m1: int
     ) -> int | None:
         """`within`, from the end of block `b` (totals `t1` + `m1` x extra through it, over
-        the budget; through the block before it, within): the running sums of its last `TAIL`,
-        2 x `TAIL`, ... members until the budget is within them, so that where the budget runs out
-        near the block's end (as the walk back from the holders' end finds it) few members
-        are read. The same integers as `within`: a prefix's totals are the block's less its
-        members' after it."""
+        the budget; through the block before it, within): the running sums of its last
+        `TAIL`, 2 x `TAIL`, ... members until the budget is within them, so that where the
+        budget runs out near the block's end (as the walk back from the holders' end finds
+        it) few members are read. The same integers as `within`: a prefix's totals are the
+        block's less its members' after it."""
         extra, shared, items = self._extra, self._shared, b.items
         k, nd = len(items), len(dropped)
         # the dropped members' contexts summed from the e-th of them to the block's end

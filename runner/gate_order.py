@@ -34,7 +34,6 @@ _block = operator.attrgetter("block")
 _block_keys = operator.attrgetter("block.keys")
 _context = operator.attrgetter("context")
 _in_call = operator.attrgetter("in_call")
-_tool_since = operator.attrgetter("tool_since")
 _calls = operator.attrgetter("calls")
 _call_total = operator.attrgetter("call_total")
 _sort_key = operator.attrgetter("sort_key")
@@ -695,13 +694,9 @@ class _Terms:
         self._scale = total + n * (extra + shared)
 
     def dropped_in(self, items: list[Any]) -> list[int]:
-        """The places of a block's dropped members (in a call begun by `last`), mapped in C
-        (a test in Python per member in a call cost more than the rest of the walk)."""
-        in_call = list(itertools.compress(itertools.count(), map(_in_call, items)))
-        since = map(_tool_since, map(items.__getitem__, in_call))  # set while in a call
-        return list(
-            itertools.compress(in_call, map(operator.le, since, itertools.repeat(self._last)))
-        )
+        """The places of a block's dropped members (in a call begun by `last`)."""
+        in_call = itertools.compress(itertools.count(), map(_in_call, items))
+        return [i for i in in_call if items[i].tool_since <= self._last]
 
     def among_waiters(
         self, waiters: list[Block], budget: float, before: int, t: int, m: int
@@ -745,7 +740,7 @@ class _Terms:
             b = holders[j]
             if with_past is None:
                 dropped = self.dropped_in(b.items) if b.calls else []
-                d, lost = len(dropped), sum(map(_context, map(b.items.__getitem__, dropped)))
+                d, lost = len(dropped), sum(b.items[i].context for i in dropped)
             else:  # the places of its dropped members are looked for below, if needed
                 d, lost = with_past.get(b, _NONE)
                 dropped = None
@@ -770,9 +765,7 @@ class _Terms:
         extra, shared, items = self._extra, self._shared, b.items
         k, nd = len(items), len(dropped)
         # the dropped members' contexts summed from the e-th of them to the block's end
-        on = itertools.accumulate(
-            map(_context, map(items.__getitem__, reversed(dropped))), initial=0
-        )
+        on = itertools.accumulate((items[i].context for i in reversed(dropped)), initial=0)
         from_dropped = list(on)[::-1]
         tail = [0]  # the block's last r contexts summed, r = 0, 1, ... (extended as needed)
 

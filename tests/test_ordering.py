@@ -134,3 +134,17 @@ def test_a_policy_that_fits_contexts_is_not_warned(tmp_path, caplog):
     )  # fmt: skip
     assert code == 0 and "1 of 2 tasks found there" in caplog.text
     assert "does not fit the agents' contexts" not in caplog.text
+
+
+def test_a_run_folder_resumes_with_another_order(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "hi"}\n')
+    out = tmp_path / "run"
+    common = ["--tasks", str(data), "--engine", "replay", "--sandbox", "none", "--out", str(out)]
+    run_cli(*common, "--task-ids", "a")
+    prev = write_run(tmp_path / "prev", [rec("b", 3, 0)])
+    # the order says who starts first, not what any task does: not refused
+    p = run_cli(*common, "--order-from", str(prev))
+    assert "1 already finished" in p.stderr and "1 of 2 tasks found there" in p.stderr
+    done = [json.loads(x)["task_id"] for x in (out / "trajectories.jsonl").open()]
+    assert sorted(done) == ["a", "b"]

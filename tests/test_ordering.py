@@ -110,13 +110,41 @@ def test_the_sim_cli_reproduces_a_reordered_simulated_batch(tmp_path):
     assert [a.id for a in ordered.agents] != [a.id for a in w.agents]  # the test orders
     second = simulate(ordered, "tiny-cpu", make_policy("agent-cap:2"), tmp_path / "second")
     assert second.work == first.work  # the same work, in another order
-    run_cli(
+    p = run_cli(
         "--engine", "sim", "--workload", "tiny", "--workload-seed", "0", "--sim-deployment",
         "tiny-cpu", "--policy", "agent-cap:2", "--out", str(tmp_path / "cli"),
         "--order-from", str(tmp_path / "first"),
     )  # fmt: skip
+    # a window that does not look at contexts: told that the long first can overcommit
+    assert "--policy agent-cap, which does not fit the agents' contexts" in p.stderr
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert summary["batch_seconds"] == pytest.approx(second.sim_seconds, abs=1e-3)
     admitted = [a for line in (tmp_path / "cli" / "control.jsonl").open()
                 for a in json.loads(line).get("admitted", [])]  # fmt: skip
     assert admitted == [a.id for a in ordered.agents]
+
+
+def test_a_policy_that_fits_contexts_is_not_warned(tmp_path, caplog):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "hi"}\n')
+    prev = write_run(tmp_path / "prev", [rec("b", 3, 0)])
+    code = main(
+        ["--tasks", str(data), "--engine", "replay", "--sandbox", "none", "--policy", "wset2",
+         "--out", str(tmp_path / "run"), "--order-from", str(prev)]
+    )  # fmt: skip
+    assert code == 0 and "1 of 2 tasks found there" in caplog.text
+    assert "does not fit the agents' contexts" not in caplog.text
+
+
+def test_a_run_folder_resumes_with_another_order(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "hi"}\n')
+    out = tmp_path / "run"
+    common = ["--tasks", str(data), "--engine", "replay", "--sandbox", "none", "--out", str(out)]
+    run_cli(*common, "--task-ids", "a")
+    prev = write_run(tmp_path / "prev", [rec("b", 3, 0)])
+    # the order says who starts first, not what any task does: not refused
+    p = run_cli(*common, "--order-from", str(prev))
+    assert "1 already finished" in p.stderr and "1 of 2 tasks found there" in p.stderr
+    done = [json.loads(x)["task_id"] for x in (out / "trajectories.jsonl").open()]
+    assert sorted(done) == ["a", "b"]

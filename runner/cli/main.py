@@ -120,6 +120,13 @@ def _main(args: argparse.Namespace) -> int:
     report_bad_records(store, plan.bad)
     if order_note:  # a warning where no task was found: the order is the dataset's
         (log.info if order_note[0] else log.warning)("%s", order_note[1])
+        if order_note[0] and not policy.wants_contexts:
+            log.warning(
+                "--order-from with --policy %s, which does not fit the agents' contexts to "
+                "the pool: the long tasks first can overcommit it (measured: aimd 1.6-1.8x "
+                "slower on a shared-prompt batch; docs/gate.md, Task order)",
+                policy.name,
+            )
     if args.ray is not None:  # a batch over many nodes: the workers build their own runners
         from .scaleout import run_on_ray
 

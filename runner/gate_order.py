@@ -25,7 +25,7 @@ import math
 import operator
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 LOAD = 128  # block size: blocks split above 2 x LOAD and merge below LOAD / 2
@@ -34,7 +34,6 @@ _block = operator.attrgetter("block")
 _block_keys = operator.attrgetter("block.keys")
 _context = operator.attrgetter("context")
 _in_call = operator.attrgetter("in_call")
-_calls = operator.attrgetter("calls")
 _call_total = operator.attrgetter("call_total")
 _sort_key = operator.attrgetter("sort_key")
 _keys = operator.attrgetter("keys")
@@ -592,19 +591,14 @@ class ToolsView:
         `call_total`) less the holders in a call short of the time."""
         calls = self._calls.open
         blocks = [*self._order.active.blocks, *self._order.marked.blocks]
-        at = dict(zip(blocks, itertools.count()))
         if n <= len(calls) - n:
-            counts, sums = [0] * len(blocks), [0] * len(blocks)
-            for a in itertools.islice(calls, n):
-                i = at[a.block]
-                counts[i] += 1
-                sums[i] += a.context
-        else:
-            counts, sums = list(map(_calls, blocks)), list(map(_call_total, blocks))
-            for a in itertools.islice(reversed(calls), len(calls) - n):
-                i = at[a.block]
-                counts[i] -= 1
-                sums[i] -= a.context
+            by = _by_block(itertools.islice(calls, n))
+            counts = [by.get(b, _NONE)[0] for b in blocks]
+            sums = [by.get(b, _NONE)[1] for b in blocks]
+        else:  # all of a block's members in a call, less those short of the time
+            by = _by_block(itertools.islice(reversed(calls), len(calls) - n))
+            counts = [b.calls - by.get(b, _NONE)[0] for b in blocks]
+            sums = [b.call_total - by.get(b, _NONE)[1] for b in blocks]
         return counts, sums, self._calls.starts[n - 1]
 
 
@@ -625,6 +619,19 @@ class _Far:
 
 _FAR = _Far()
 _NONE = (0, 0)  # no dropped member in a block: how many, their contexts summed
+
+
+def _by_block(members: Iterable[Any]) -> dict[Block, list[int]]:
+    """Holders in a call, by block: how many, and their contexts summed."""
+    out: dict[Block, list[int]] = {}
+    for a in members:
+        got = out.get(a.block)
+        if got is None:
+            out[a.block] = [1, a.context]
+        else:
+            got[0] += 1
+            got[1] += a.context
+    return out
 
 
 def _fit_near_turn(
@@ -657,14 +664,7 @@ def _fit_near_turn(
     # by block, where the past calls are the fewer: how many, and their contexts summed
     with_past: dict[Block, list[int]] | None = None
     if n <= len(past) - n:
-        with_past = {}
-        for a in itertools.islice(past, n):
-            got = with_past.get(a.block)
-            if got is None:
-                with_past[a.block] = [1, a.context]
-            else:
-                got[0] += 1
-                got[1] += a.context
+        with_past = _by_block(itertools.islice(past, n))
         lost = sum(map(_context, itertools.islice(past, n)))
     else:
         short = itertools.islice(reversed(past), len(past) - n)

@@ -307,6 +307,11 @@ def sim_settings(run: Run) -> dict[str, Any]:
     }
 
 
+def work_digest(work: dict[str, Any]) -> str:
+    """What every agent did, hashed: equal across runs that did the same work (any order)."""
+    return hashlib.sha256(json.dumps(sorted(work.items())).encode()).hexdigest()[:16]
+
+
 def execute(args: tuple[Run, int]) -> dict[str, Any]:
     run, seed = args
     workload = synthetic(run.workload, seed=seed)
@@ -321,7 +326,7 @@ def execute(args: tuple[Run, int]) -> dict[str, Any]:
         config=run.config,
         system=run.system,
         seed=seed,
-        work_digest=hashlib.sha256(json.dumps(work).encode()).hexdigest()[:16],
+        work_digest=work_digest(r.work),
         work_tokens=sum(w[1] for _, w in work),
         cli="python run.py " + shlex.join(cli_args(run, seed)),
     )

@@ -69,11 +69,12 @@ def longest_first(
     return unknown + known
 
 
-def describe(lengths: Lengths, items: Sequence[T], key: Callable[[T], str]) -> str:
-    """The log line saying what the order was taken from."""
+def describe(lengths: Lengths, items: Sequence[T], key: Callable[[T], str]) -> tuple[int, str]:
+    """How many of `items` the previous run holds, and the log line saying what the order
+    was taken from."""
     found = sum(1 for x in items if key(x) in lengths.seconds)
     if not found:
-        return (
+        return 0, (
             f"task order: none of the {len(items)} tasks is in {lengths.source} (another "
             "dataset?): the order is the dataset's"
         )
@@ -85,4 +86,4 @@ def describe(lengths: Lengths, items: Sequence[T], key: Callable[[T], str]) -> s
         line += f"; the {len(items) - found} others first, in their own order"
     if lengths.unreadable:
         line += f"; {lengths.unreadable} unreadable lines skipped"
-    return line + ")"
+    return found, line + ")"

@@ -245,10 +245,9 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, tuple[bool, str] | None]:
     plan = simulation_plan(args) if args.engine == "sim" else dataset_plan(args)
     if lengths is None:
         return plan, None
-    found = any(t.id in lengths.seconds for t in plan.tasks)
-    note = (found, describe_order(lengths, plan.tasks, task_id))
+    found, line = describe_order(lengths, plan.tasks, task_id)
     plan.tasks = longest_first(plan.tasks, lengths.seconds, task_id)
-    return plan, note
+    return plan, (found > 0, line)
 
 
 def dataset_plan(args: argparse.Namespace) -> Plan:

@@ -401,7 +401,7 @@ async def engine_step_seconds() -> dict[str, float] | None:
     try:
         from runner.engines.llama_cpp import LlamaCppEngine
 
-        eng = LlamaCppEngine(n_ctx=4096)
+        eng = LlamaCppEngine(n_ctx=4096, pool_tokens=8192, max_seqs=4)
     except Exception as e:  # the CPU engine is optional for this benchmark
         print(f"(engine step not measured: {e})")
         return None

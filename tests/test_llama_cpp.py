@@ -1,240 +1,256 @@
-"""The llama.cpp engine against the real llama-cpp-python and SmolLM2-135M: its capabilities,
-its token log-probabilities, and the library behaviour its prefix-state cache relies on."""
+"""The batched llama.cpp engine against the real llama-cpp-python and SmolLM2-135M: batching,
+the pool (eviction, preemption, recompute), prefix sharing, grammar, logprobs, failures."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
-import re
 import tomllib
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from runner.engine import (  # noqa: E402
     ConstrainedDecoding,
+    ContextLimitExceeded,
     Engine,
+    EngineStats,
+    SamplingCheck,
     SamplingParams,
     TokenLogprobs,
 )
-from runner.engines.llama_cpp import LlamaCppEngine, default_model_path  # noqa: E402
+from runner.engines.llama_cpp import (  # noqa: E402
+    LlamaCppEngine,
+    default_model_path,
+    native,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 SCHEMA = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
 
 
-def _pinned_range() -> str:
+def test_installed_version_is_the_pinned_one():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (spec,) = [d for d in deps if d.startswith("llama-cpp-python")]
-    return spec.removeprefix("llama-cpp-python")
-
-
-def test_installed_version_is_in_the_pinned_range():
-    from packaging.specifiers import SpecifierSet
-
-    spec = SpecifierSet(_pinned_range())
-    assert llama_cpp.__version__ in spec, (llama_cpp.__version__, str(spec))
-    assert re.search(r"<\s*\d", str(spec)), "the range needs an upper bound"
+    assert spec == f"llama-cpp-python=={native.PINNED_VERSION}"
+    assert llama_cpp.__version__ == native.PINNED_VERSION
+    lock = (ROOT / "constraints.txt").read_text().splitlines()
+    assert f"llama-cpp-python=={native.PINNED_VERSION}" in lock
 
 
 def test_the_bindings_the_engine_calls_exist():
-    # llama.h bindings (ctypes functions) and the Llama members the engine reads and writes
     for name in (
-        "llama_get_memory",
-        "llama_memory_seq_rm",
-        "llama_state_seq_get_size",
-        "llama_state_seq_get_data",
-        "llama_state_seq_set_data",
-        "llama_get_logits_ith",
-    ):
+        "llama_model_load_from_file", "llama_init_from_model", "llama_batch_init",
+        "llama_decode", "llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
+        "llama_get_logits_ith", "llama_sampler_chain_init", "llama_sampler_init_grammar",
+        "llama_sampler_sample", "llama_print_system_info", "llama_max_parallel_sequences",
+    ):  # fmt: skip
         assert callable(getattr(llama_cpp, name)), name
-    for name in ("generate", "reset", "set_seed", "n_ctx", "n_vocab", "tokenize", "detokenize"):
-        assert callable(getattr(llama_cpp.Llama, name)), name
-    assert isinstance(llama_cpp.Llama.ctx, property)
+    fields = {f for f, _ in llama_cpp.llama_model_params._fields_}
+    assert "use_extra_bufts" in fields
+    assert {"kv_unified", "n_seq_max"} <= {f for f, _ in llama_cpp.llama_context_params._fields_}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def eng():
-    e = LlamaCppEngine(n_ctx=1024, n_threads=2, cache_bytes=64 << 20)
-    yield e
-    await e.aclose()
+def _engine(**kw):
+    opts = {"n_ctx": 2048, "n_threads": 2, "pool_tokens": 4096, "max_seqs": 8, **kw}
+    return LlamaCppEngine(**opts)
 
 
-def _gen(eng: LlamaCppEngine, ids: list[int], sp: SamplingParams):
-    return eng._generate_sync(list(ids), sp)  # the worker's call, without an event loop
-
-
-def _prompt(eng: LlamaCppEngine, text: str) -> list[int]:
+def _prompt(eng, text: str) -> list[int]:
     return eng.tokenizer.encode(eng.tokenizer.render([{"role": "user", "content": text}]))
 
 
-@pytest.mark.slow
-def test_capabilities(eng):
-    assert isinstance(eng, Engine)
-    assert isinstance(eng, ConstrainedDecoding) and eng.constrain_by_default
-    assert isinstance(eng, TokenLogprobs) and eng.gives_logprobs
-    assert not hasattr(eng, "constrains_tool_calls")
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+TEXTS = [f"Tell me about the number {i}, in one sentence." for i in range(8)]
 
 
 @pytest.mark.slow
-def test_logprobs_are_the_raw_logits_of_each_sampled_position(eng):
-    """Checked against an independent evaluation with logits kept for every position, fed as
-    generate() feeds it (the prompt in one batch, then one token at a time: batching changes
-    the logits in their third decimal): one value per output id, each the raw log-softmax of
-    the row that produced it."""
-    prompt = _prompt(eng, "Name three colours.")
-    g = _gen(eng, prompt, SamplingParams(temperature=0.0, max_new_tokens=6, logprobs=True))
-    assert g.output_logprobs is not None
-    assert len(g.output_logprobs) == len(g.output_ids) == 6
-
-    ref = llama_cpp.Llama(
-        model_path=str(default_model_path()), n_ctx=512, n_threads=2, logits_all=True,
-        verbose=False,
-    )  # fmt: skip
+async def test_capabilities_and_the_load_choice_on_this_machine():
+    e = _engine()
     try:
-        ref.eval(prompt)
-        for tok in g.output_ids[:-1]:
-            ref.eval([tok])
-        rows = llama_cpp.Llama.logits_to_logprobs(ref.scores[: ref.n_tokens])
-    finally:
-        ref.close()
-    for i, (tok, lp) in enumerate(zip(g.output_ids, g.output_logprobs, strict=True)):
-        row = rows[len(prompt) - 1 + i]
-        assert int(row.argmax()) == tok  # greedy, unconstrained: the raw argmax
-        assert lp == pytest.approx(float(row[tok]), abs=1e-4)
-        assert lp <= 0.0
-
-
-@pytest.mark.slow
-def test_logprobs_when_sampled_and_constrained_and_only_when_asked(eng):
-    prompt = _prompt(eng, "Call the tool.")
-    sp = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=8, seed=5,
-                        tool_call_schema=SCHEMA, logprobs=True)  # fmt: skip
-    g = _gen(eng, prompt, sp)
-    assert g.output_logprobs is not None and len(g.output_logprobs) == len(g.output_ids)
-    assert all(math.isfinite(x) and x <= 0.0 for x in g.output_logprobs)
-    assert eng.tokenizer.decode(g.output_ids).startswith("<tool_call>"[: len(g.text)])
-    assert _gen(eng, prompt, GREEDY).output_logprobs is None
-
-
-def _cold(eng: LlamaCppEngine, ids: list[int]):
-    """Greedy generation from an empty context and an empty state cache."""
-    eng.cache.clear()
-    eng._llm.reset()
-    g = _gen(eng, ids, GREEDY)
-    assert g.cached_tokens == 0
-    return g
-
-
-@pytest.mark.slow
-def test_a_restored_state_generates_as_a_cold_context(eng):
-    """The prefix-state cache loads a saved sequence into llama.cpp and hands Llama.generate
-    the live prefix through its public n_tokens / input_ids. The output must be a cold
-    context's, also when the prompt is exactly a saved state's tokens: the logits in the
-    context then belong to another sequence and must not be sampled from."""
-    p = _prompt(eng, "Say hello.")
-    other = _prompt(eng, "Count to five, slowly, please.")
-    out = _cold(eng, p).output_ids
-    # The state saved after that call: the tokens evaluated, i.e. all but the last output
-    exact = [int(t) for t in eng._llm.input_ids[: eng._llm.n_tokens]]
-    assert exact == p + out[:-1] and [len(k) for k in eng.cache._states] == [len(exact)]
-    want = _cold(eng, exact).output_ids
-
-    eng.cache.clear()
-    _gen(eng, p, GREEDY)  # saves exactly `exact`
-    _gen(eng, other, GREEDY)  # the live sequence (and its logits) is now another prompt's
-    g = _gen(eng, exact, GREEDY)
-    assert g.cached_tokens == len(exact) - 1  # served from the saved state
-    assert g.output_ids == want
-
-    longer = exact + eng.tokenizer.encode(" Zebra quartz!")
-    want = _cold(eng, longer).output_ids
-    eng.cache.clear()
-    _gen(eng, p, GREEDY)
-    _gen(eng, other, GREEDY)
-    g = _gen(eng, longer, GREEDY)  # the saved state, then the new tokens
-    assert g.cached_tokens == len(exact)
-    assert g.output_ids == want
-
-
-# ---- failures and sampling options ------------------------------------------------------
-
-
-@pytest.mark.slow
-async def test_a_context_overflow_inside_llama_cpp_is_a_permanent_context_limit():
-    """What llama-cpp-python raises past n_ctx (llama_decode returns 1: no KV slot) is a
-    ContextLimitExceeded, failed at once; the engine serves the next request."""
-
-    from runner import retries
-    from runner.engine import ContextLimitExceeded
-
-    e = LlamaCppEngine(n_ctx=256, n_threads=2, cache_bytes=16 << 20)
-    try:
-        e.context_limit = 100_000  # past the adapter's own check: the library's own failure
-        calls = []
-        real = e.generate
-
-        async def counted(ids, sp, *, agent=None):
-            calls.append(1)
-            return await real(ids, sp, agent=agent)
-
-        e.generate = counted  # type: ignore[method-assign]
-        prompt = e.tokenizer.encode("word " * 300)
-        assert len(prompt) > 256
-        policy = retries.RetryPolicy(initial_wait=0.01)
-        with pytest.raises(ContextLimitExceeded, match="llama_decode returned 1") as err:
-            await retries.generate(e, prompt, GREEDY, "a", policy)
-        assert calls == [1] and not retries.is_transient(err.value)
-        e.context_limit = 256
-        assert _gen(e, _prompt(e, "Hi."), GREEDY).output_ids
+        assert isinstance(e, Engine) and isinstance(e, EngineStats)
+        assert isinstance(e, ConstrainedDecoding) and e.constrain_by_default
+        assert isinstance(e, TokenLogprobs) and e.gives_logprobs
+        assert isinstance(e, SamplingCheck)
+        want = native.load_choice(native.system_info(), native.cpu_flags())
+        assert e.load == want  # on an AMX machine with an AMX build: off (it segfaults on)
+        assert e.pool.capacity >= 4096 and e.context_limit == 2048
     finally:
         await e.aclose()
 
 
-@pytest.fixture
-async def extras_engine():
-    e = LlamaCppEngine(n_ctx=256, n_threads=1, sampling_extra={"top_k": 5, "min_p": 0.1})
-    yield e
-    await e.aclose()
+@pytest.mark.slow
+async def test_greedy_tokens_are_the_same_alone_in_a_batch_and_through_a_tiny_pool():
+    """One request at a time in a big pool, eight at once, and eight at once in a pool that
+    holds two of them (eviction, preemption, recompute): the same greedy tokens. llama.cpp's
+    arithmetic depends on the batch shape; where a token differs, the logprobs of the first
+    differing position must be within 0.05 (measured: none differed)."""
+    big = _engine(pool_tokens=8192)
+    try:
+        prompts = [_prompt(big, t) for t in TEXTS]
+        sp = SamplingParams(temperature=0.0, max_new_tokens=24, logprobs=True)
+        alone = [await big.generate(p, sp, agent=f"a{i}") for i, p in enumerate(prompts)]
+        together = await asyncio.gather(*[big.generate(p, sp) for p in prompts])
+    finally:
+        await big.aclose()
+    tiny = _engine(pool_tokens=256, max_seqs=4)
+    try:
+        squeezed = await asyncio.gather(*[tiny.generate(p, sp) for p in prompts])
+        st = tiny.stats()
+        tiny.pool.check()
+    finally:
+        await tiny.aclose()
+    assert st["preemptions"] + st["evictions"] > 0, st
+    for a, b, c in zip(alone, together, squeezed, strict=True):
+        for other in (b, c):
+            if other.output_ids != a.output_ids:
+                pairs = zip(a.output_ids, other.output_ids, strict=False)
+                k = next(i for i, (x, y) in enumerate(pairs) if x != y)
+                assert abs(a.output_logprobs[k] - other.output_logprobs[k]) < 0.05
+    same = sum(b.output_ids == a.output_ids for a, b in zip(alone, together, strict=True))
+    assert same >= 6, same
 
 
 @pytest.mark.slow
-def test_sampling_extras_are_checked_against_llama_generate(tmp_path, capsys, extras_engine):
-    # a synchronous test: run.py's main below owns its event loop, as in production
-    from runner.cli.main import main
-    from runner.engine import SamplingCheck
+async def test_a_turn_reuses_the_agents_cells_and_copies_share_a_prefix():
+    e = _engine()
+    try:
+        p = _prompt(e, "Say hello.")
+        g = await e.generate(p, GREEDY, agent="a")
+        nxt = p + g.output_ids + e.tokenizer.encode("<|im_start|>user\nAgain.<|im_end|>\n")
+        g2 = await e.generate(nxt, GREEDY, agent="a")
+        assert g2.cached_tokens == len(p) + len(g.output_ids) - 1  # all but the last output
+        g3 = await e.generate(p, GREEDY, agent="b")  # another agent, the same prompt
+        assert g3.cached_tokens == len(p) - 1 and g3.output_ids == g.output_ids
+        before = e.pool.used
+        await e.end_agent("a")
+        await asyncio.sleep(0.3)
+        assert e.pool.used < before
+        e.pool.check()
+    finally:
+        await e.aclose()
 
-    e = extras_engine
-    assert isinstance(e, SamplingCheck)
-    e.check_sampling(GREEDY)
-    sent, real = [], e._llm.generate
 
-    def recorded(*args, **kwargs):
-        sent.append(kwargs)
-        return real(*args, **kwargs)
+@pytest.mark.slow
+async def test_usage_counts_running_requests_only():
+    e = _engine()
+    try:
+        p = _prompt(e, "Count to twenty.")
+        task = asyncio.create_task(e.generate(p, SamplingParams(max_new_tokens=64)))
+        seen = []
+        while not task.done():
+            await asyncio.sleep(0.05)
+            seen.append(e.cache_stats())
+        await task
+        await asyncio.sleep(0.2)
+        busy = max(s.usage for s in seen)
+        assert busy > len(p) / e.pool.capacity * 0.9
+        idle = e.cache_stats()
+        assert idle.usage == 0 and idle.extra["physical_occupancy"] > 0  # idle cells kept
+    finally:
+        await e.aclose()
 
-    e._llm.generate = recorded
-    _gen(e, _prompt(e, "Hi."), SamplingParams(temperature=0.7, max_new_tokens=2))
-    assert (sent[0]["top_k"], sent[0]["min_p"], sent[0]["temp"]) == (5, 0.1, 0.7)
-    e._llm.generate = real
+
+@pytest.mark.slow
+async def test_concurrent_grammar_requests_each_make_a_valid_call():
+    e = _engine()
+    try:
+        schema = json.dumps({"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "enum": ["bash", "submit"]}}})  # fmt: skip
+        sps = [SamplingParams(temperature=0.5, max_new_tokens=200, tool_call_schema=schema,
+                              seed=i, logprobs=True) for i in range(6)]  # fmt: skip
+        gs = await asyncio.gather(*[e.generate(_prompt(e, "Call the tool."), sp) for sp in sps])
+        for g in gs:
+            assert g.finish_reason == "stop", g
+            assert g.text.startswith("<tool_call>") and g.text.endswith("</tool_call>"), g.text
+            assert "name" in json.loads(
+                g.text.removeprefix("<tool_call>").removesuffix("</tool_call>")
+            )
+            assert len(g.output_logprobs) == len(g.output_ids)
+            assert all(math.isfinite(x) and x <= 0 for x in g.output_logprobs)
+    finally:
+        await e.aclose()
+
+
+@pytest.mark.slow
+async def test_logprobs_are_the_raw_logits_of_each_sampled_position():
+    e = _engine()
+    try:
+        p = _prompt(e, "Name three colours.")
+        g = await e.generate(p, SamplingParams(temperature=0.0, max_new_tokens=6, logprobs=True))
+    finally:
+        await e.aclose()
+    rows = _reference_logprobs(p + g.output_ids[:-1])
+    for i, (tok, lp) in enumerate(zip(g.output_ids, g.output_logprobs, strict=True)):
+        row = rows[len(p) - 1 + i]
+        assert int(row.argmax()) == tok
+        assert lp == pytest.approx(float(row[tok]), abs=2e-2)
+
+
+def _reference_logprobs(ids: list[int]):
+    """An independent evaluation: one sequence, the low-level API, logits at every position
+    (the model loaded as the engine loads it: Llama's own loader would take the AMX path)."""
+    import numpy as np
+
+    from runner.engines.llama_cpp.batch import NativeBatch
+
+    m = native.load_model(default_model_path(),
+                          native.load_choice(native.system_info(), native.cpu_flags()))  # fmt: skip
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, 2, 2
+    ctx = llama_cpp.llama_init_from_model(m, cp)
+    b = NativeBatch(512)
+    try:
+        b.fill([(t, i, 0, True) for i, t in enumerate(ids)])
+        assert llama_cpp.llama_decode(ctx, b.struct) == 0
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(m))
+        rows = []
+        for i in range(len(ids)):
+            x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+            x = x.astype(np.float64)
+            rows.append(x - x.max() - np.log(np.exp(x - x.max()).sum()))
+        return rows
+    finally:
+        b.close()
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(m)
+
+
+@pytest.mark.slow
+async def test_a_request_larger_than_the_pool_fails_alone_and_a_cancel_frees_cells():
+    e = _engine(pool_tokens=256, n_ctx=100_000)
+    try:
+        big = e.tokenizer.encode("word " * 400)
+        small = _prompt(e, "Hi.")
+        long = asyncio.create_task(e.generate(small, SamplingParams(max_new_tokens=200)))
+        res = await asyncio.gather(e.generate(big, GREEDY), e.generate(small, GREEDY),
+                                   return_exceptions=True)  # fmt: skip
+        assert isinstance(res[0], ContextLimitExceeded) and "pool" in str(res[0])
+        assert res[1].completion_tokens > 0
+        await asyncio.sleep(0.3)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        await asyncio.sleep(0.3)
+        assert e.cache_stats().used_tokens == 0
+        e.pool.check()
+    finally:
+        await e.aclose()
+
+
+def test_sampling_extras_are_checked():
+    e = LlamaCppEngine.__new__(LlamaCppEngine)  # check_sampling reads only the extras
     for extra, message in (
         ({"top_kk": 5}, r"--sampling-arg top_kk: .*\(did you mean top_k\?\)"),
-        ({"temp": 0.5}, "--sampling-arg temp: not a sampling parameter"),  # the engine's
+        ({"temp": 0.5}, "--sampling-arg temp: not a sampling parameter"),
         ({"top_k": 2.5}, r"--sampling-arg top_k=2\.5: llama.cpp takes an int"),
-        ({"penalize_nl": 1}, "penalize_nl=1: llama.cpp takes a bool"),
+        ({"min_p": "x"}, "min_p='x': llama.cpp takes a float"),
     ):
         e._sampling_extra = extra
         with pytest.raises(ValueError, match=message):
             e.check_sampling(GREEDY)
-    # through the command line: one error before any agent, exit 2
-    path = tmp_path / "t.jsonl"
-    path.write_text('{"id": "a", "prompt": "p"}\n')
-    argv = ["--tasks", str(path), "--out", str(tmp_path / "out"), "--engine", "llama.cpp"]
-    argv += ["--n-ctx", "256", "--sandbox", "none", "--sampling-arg", "min-p=0.2x"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "sampling options: --sampling-arg min_p='0.2x': llama.cpp takes a float" in err
-    assert not (tmp_path / "out" / "trajectories.jsonl").exists()
+    e._sampling_extra = {"top_k": 5, "min_p": 0.1}
+    e.check_sampling(GREEDY)

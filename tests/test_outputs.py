@@ -549,7 +549,7 @@ async def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, n
     check_schema(out)
     trajs, rolls = by_id(out / "trajectories.jsonl"), by_id(out / "rollouts.jsonl")
     assert set(trajs) == set(rolls) and len(trajs) == 2
-    eng = LlamaCppEngine(n_ctx=512, n_threads=2, cache_bytes=16 << 20)
+    eng = LlamaCppEngine(n_ctx=512, n_threads=2, pool_tokens=1024, max_seqs=2)
     try:
         for tid in trajs:
             check_tokens(trajs[tid], rolls[tid], eng.tokenizer, logprobs=True)

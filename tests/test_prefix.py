@@ -43,7 +43,7 @@ async def test_ids_for_step_k_plus_1_extend_step_k(needs_bwrap):
     root.chmod(0o755)  # per-agent uids must traverse it
 
     async def main():
-        inner = LlamaCppEngine(n_ctx=4096, cache_bytes=64 << 20)
+        inner = LlamaCppEngine(n_ctx=4096, pool_tokens=8192, max_seqs=4)
         eng = RecordingEngine(inner)
         sandbox = make_sandbox("bwrap")
         ws = root / "ws"

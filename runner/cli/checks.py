@@ -50,7 +50,9 @@ def check_out(out: Path) -> None:
 
 def check_engine_options(args: argparse.Namespace) -> None:
     _at_least(args, "--n-ctx", 1)
-    _at_least(args, "--cache-mb", 1)
+    _at_least(args, "--pool-tokens", 64)
+    _at_least(args, "--max-seqs", 1)
+    _at_least(args, "--prefill-chunk", 16)
     _at_least(args, "--threads", 1)
     _at_least(args, "--max-new-tokens", 1)
     _at_least(args, "--temperature", 0)

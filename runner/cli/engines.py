@@ -34,11 +34,57 @@ def _llama_cpp(args: argparse.Namespace, why: str) -> EngineSetup:
         model_path=args.model,
         n_ctx=args.n_ctx,
         n_threads=args.threads,
-        cache_bytes=args.cache_mb << 20,
+        pool_tokens=args.pool_tokens,
+        max_seqs=args.max_seqs,
+        prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         sampling_extra=parse_engine_args(args.sampling_arg, flag="--sampling-arg"),
     )
+    log.info(
+        "llama.cpp engine: %s, pool %d tokens (%.0f MiB of KV), %d sequences, prefill chunk "
+        "%d, %d threads; %s",
+        engine.model, engine.pool.capacity, engine.pool_bytes / 2**20, engine.max_seqs,
+        engine.chunk, engine.threads, engine.load.why,
+    )  # fmt: skip
     return EngineSetup(engine, why)
+
+
+def uses_llama_cpp(args: argparse.Namespace) -> bool:
+    """Whether ENGINES[args.engine] will build the llama.cpp engine (auto's rule)."""
+    if args.engine == "llama.cpp":
+        return True
+    if args.engine != "auto":
+        return False
+    from ..engines.sglang import sglang_available
+
+    ok, _ = sglang_available()
+    return not (ok and args.model and not args.model.endswith(".gguf"))
+
+
+def native_preflight(args: argparse.Namespace) -> str:
+    """The start-up self-check of the native engine (a tiny decode in a child process),
+    before anything is written: "" if it passed or does not apply, else the message."""
+    if not uses_llama_cpp(args):
+        return ""
+    from pathlib import Path
+
+    from ..engines.llama_cpp.native import default_model_path
+    from ..engines.llama_cpp.selfcheck import NativeEngineCrash, run_selfcheck
+
+    try:
+        model = Path(args.model) if args.model else default_model_path()
+    except FileNotFoundError as e:
+        return str(e)
+    if not model.is_file():
+        return f"model file not found: {model}"
+    import os
+
+    try:
+        check = run_selfcheck(model, args.threads or max(1, os.cpu_count() or 1))
+    except NativeEngineCrash as e:
+        return str(e)
+    log.debug("llama.cpp self-check passed%s", " (remembered)" if check.cached else "")
+    return ""
 
 
 def _sglang(args: argparse.Namespace, why: str) -> EngineSetup:

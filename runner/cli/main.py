@@ -38,6 +38,7 @@ from .engines import (
     EngineSetup,
     check_sampling,
     constrain_tool_calls,
+    native_preflight,
     sim_engine_options,
 )
 from .parser import AIMD_FLAGS, build_parser
@@ -77,8 +78,18 @@ def export(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def doctor(argv: list[str]) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
 # `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"report": report, "export": export}
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "report": report,
+    "export": export,
+    "doctor": doctor,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +117,10 @@ def _main(args: argparse.Namespace) -> int:
         return fail(
             f"--eval-only: {plan.out} holds no trajectories.jsonl; pass the run folder (--out)"
         )
+    if not args.eval_only and args.ray is None:
+        problem = native_preflight(args)  # a native crash stops the run before it writes
+        if problem:
+            return fail(problem)
     fresh = not plan.out.exists()  # a refused start removes the run folder it made
     try:
         store = RunStore(plan.out)

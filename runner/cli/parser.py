@@ -135,10 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--n-ctx", type=int, default=8192, help="context window, tokens")
     g.add_argument(
-        "--cache-mb",
+        "--pool-tokens",
+        type=int,
+        help="llama.cpp: the KV pool shared by all running agents, tokens (default: a quarter "
+        "of the free memory, at most 32768; its bytes are logged at start-up)",
+    )
+    g.add_argument(
+        "--max-seqs",
+        type=int,
+        default=64,
+        help="llama.cpp: sequences decoded together, at most (slots are leased: a batch may "
+        "have more agents)",
+    )
+    g.add_argument(
+        "--prefill-chunk",
         type=int,
         default=512,
-        help="llama.cpp prefix-state cache capacity (its 'KV pool'), MiB",
+        help="llama.cpp: prompt tokens per engine step, at most (chunked prefill)",
     )
     g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")

@@ -1,0 +1,639 @@
+"""The embedded CPU engine: continuous batching on llama.cpp, one context, one finite KV pool.
+
+One worker thread owns the llama.cpp context. Every engine step is one `llama_decode` that
+carries the next token of every running request plus a bounded chunk of prompt tokens of
+new or resumed requests (the step's token budget, like SGLang's chunked prefill). Requests
+are asyncio futures; the event loop never blocks.
+
+The pool is llama.cpp's unified KV cache of `pool_tokens` cells, shared by `max_seqs`
+sequence slots (pool.py keeps its books). An agent's cells stay in its slot between turns
+(idle, evictable), so a new turn prefills only its delta; a prefix held by another slot
+(the system prompt, the task text of --samples copies) is shared with
+`llama_memory_seq_cp`, not recomputed. When a step does not fit, idle slots are evicted
+least recently used first, then running requests are preempted (fewest generated tokens
+first, as SGLang retracts): their cells are dropped and recomputed when they resume. Only a
+single request larger than the pool fails (ContextLimitExceeded).
+
+Signals with SGLang's meanings: usage = cells held by running requests / pool (idle
+evictable cells excluded; physical occupancy in `extra`); cached_tokens on every
+generation; evictions, preemptions and recomputed tokens counted (stats()).
+
+Sampling per request is llama.cpp's own sampler chain, built as llama-cpp-python's
+`Llama.generate` builds it (penalties, grammar, then greedy, or top-k, typical, top-p, min-p,
+temperature and a seeded draw). Log-probabilities are the raw logits' log-softmax at the row
+that produced each token (before penalties, grammar and temperature), as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import math
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ... import toolcall
+from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
+from . import native
+from .batch import NativeBatch
+from .pool import Pool, Slot
+from .tokenizer import LlamaTokenizer
+
+# --sampling-arg keys and their kinds (the rest of Llama.generate's sampler options)
+SAMPLING_EXTRAS: dict[str, type] = {
+    "top_k": int, "min_p": float, "typical_p": float, "repeat_penalty": float,
+    "frequency_penalty": float, "presence_penalty": float, "penalty_last_n": int,
+}  # fmt: skip
+# SGLang's new-token ratio: the share of each request's remaining max_new_tokens kept free
+# for it when admitting new requests; decays per step, back to the start after a preemption
+RATIO_START, RATIO_MIN, RATIO_DECAY = 0.7, 0.1, 0.001
+CLIP_MAX_NEW = 4096
+# a waiting request whose prompt shares this many more tokens with one still prefilling waits
+# for it, then shares its cells
+SHARE_WAIT = 32
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """K and V, f16, every layer: 2 * 2 bytes * n_layer * n_head_kv * head_dim."""
+    import llama_cpp
+
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    head_dim = llama_cpp.llama_model_n_embd(model) // max(1, llama_cpp.llama_model_n_head(model))
+    return 4 * n_layer * llama_cpp.llama_model_n_head_kv(model) * head_dim
+
+
+def default_pool_tokens(bytes_per_token: int, cap: int = 32768) -> int:
+    """A quarter of the memory available now, at most `cap` tokens, a multiple of 256."""
+    avail = 8 << 30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) << 10
+    except OSError:
+        pass
+    n = min(cap, avail // 4 // max(1, bytes_per_token))
+    return max(256, n // 256 * 256)
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    sp: SamplingParams
+    agent: str | None
+    fut: asyncio.Future[Generation]
+    loop: asyncio.AbstractEventLoop
+    max_new: int
+    t0: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: Slot | None = None
+    done_prompt: int = 0  # tokens of prompt + out[:-1] in the slot's cells
+    cached: int | None = None  # prefix found in the pool at first admission
+    sampler: Any = None
+    cancelled: bool = False
+    text: bytes = b""
+
+    def context(self) -> list[int]:
+        """What the slot must hold before the next sampled token: the prompt, then every
+        generated token but the last (not yet decoded)."""
+        return self.prompt + self.out[:-1] if self.out else self.prompt
+
+
+class LlamaCppEngine:
+    """Implements Engine, ConstrainedDecoding, TokenLogprobs, SamplingCheck and EngineStats
+    (runner/engine.py)."""
+
+    name = "llama.cpp"
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        n_ctx: int = 8192,
+        n_threads: int | None = None,
+        pool_tokens: int | None = None,
+        max_seqs: int = 64,
+        prefill_chunk: int = 512,
+        seed: int = 0,
+        sampling_extra: dict[str, Any] | None = None,
+    ) -> None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise EngineError(
+                "the CPU engine needs llama-cpp-python: pip install "
+                f"llama-cpp-python=={native.PINNED_VERSION} (compiles llama.cpp, ~5 min) ({e})"
+            ) from None
+        if not 1 <= max_seqs <= llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(
+                f"--max-seqs must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {max_seqs}"
+            )
+        if prefill_chunk < 16:
+            raise ValueError(f"--prefill-chunk must be >= 16 tokens, got {prefill_chunk}")
+        self._lc = llama_cpp
+        path = Path(model_path) if model_path else native.default_model_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        self.model, self.model_path = path.name, str(path)
+        self.threads = n_threads or max(1, os.cpu_count() or 1)
+        self.load = native.load_choice(native.system_info(), native.cpu_flags())
+        self._model = native.load_model(path, self.load)
+        self.bytes_per_token = kv_bytes_per_token(self._model)
+        cells = pool_tokens or default_pool_tokens(self.bytes_per_token)
+        if cells < 64:
+            raise ValueError(f"--pool-tokens must be >= 64, got {cells}")
+        self.max_seqs, self.chunk = max_seqs, prefill_chunk
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = cells
+        cp.n_batch = prefill_chunk + max_seqs
+        cp.n_ubatch = min(cp.n_batch, 512)
+        cp.n_seq_max = max_seqs
+        cp.kv_unified = True  # one pool of cells for every sequence
+        cp.n_threads = cp.n_threads_batch = self.threads
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise EngineError(f"llama.cpp could not create a context of {cells} cells")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.pool = Pool(llama_cpp.llama_n_ctx(self._ctx), max_seqs)
+        n_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        self.context_limit = min(n_ctx, self.pool.capacity, n_train or n_ctx)
+        self.pool_bytes = self.pool.capacity * self.bytes_per_token
+        self._batch = NativeBatch(cp.n_batch)
+        self._tok = LlamaTokenizer(self._model, self.model_path)
+        self._n_vocab = self._tok.n_vocab
+        self._grammars: dict[str, bytes] = {}
+        self._sampling_extra = dict(sampling_extra or {})
+        self._seed = seed
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._seen: dict[str, list[int]] = {}  # agent -> the context it last held
+        self._ratio = RATIO_START
+        self._stats: dict[str, Any] = dict.fromkeys(
+            ("steps", "decode_tokens", "prefill_tokens", "cached_tokens", "recomputed_tokens",
+             "evictions", "evicted_cells", "preemptions", "requests", "busy_seconds"), 0,
+        )  # fmt: skip
+        self._snapshot = self._read_cache()
+        self._closing = threading.Event()
+        self._worker = threading.Thread(target=self._loop, name="llama", daemon=True)
+        self._worker.start()
+
+    # ---- the protocol -----------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> LlamaTokenizer:
+        return self._tok
+
+    @property
+    def constrain_by_default(self) -> bool:
+        return True  # a small model rarely writes a well-formed call without the grammar
+
+    @property
+    def gives_logprobs(self) -> bool:
+        return True
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, agent: str | None = None
+    ) -> Generation:
+        if self._closing.is_set():
+            raise EngineError("engine is shut down")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise EngineError("empty prompt")
+        room = self.context_limit - len(prompt)
+        if room < 2:
+            raise ContextLimitExceeded(
+                f"prompt of {len(prompt)} tokens leaves no room in the {self.context_limit}-token"
+                f" context (pool {self.pool.capacity} cells)"
+            )
+        loop = asyncio.get_running_loop()
+        req = _Request(prompt, sampling, agent, loop.create_future(), loop,
+                       max_new=min(sampling.max_new_tokens, room - 1))  # fmt: skip
+        self._inbox.put(("generate", req))
+        try:
+            return await asyncio.shield(req.fut)
+        except asyncio.CancelledError:
+            req.cancelled = True  # the worker frees its cells at its next step
+            self._inbox.put(("wake", None))
+            raise
+
+    async def end_agent(self, agent: str) -> None:
+        self._inbox.put(("end", agent))
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        for key, value in self._sampling_extra.items():
+            kind = SAMPLING_EXTRAS.get(key)
+            if kind is None:
+                close = difflib.get_close_matches(key, list(SAMPLING_EXTRAS), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(
+                    f"--sampling-arg {key}: not a sampling parameter of the llama.cpp engine"
+                    f"{hint}; it takes {', '.join(SAMPLING_EXTRAS)}"
+                )
+            ok = (
+                isinstance(value, int) and not isinstance(value, bool)
+                if kind is int
+                else isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+            if not ok:
+                raise ValueError(
+                    f"--sampling-arg {key}={value!r}: llama.cpp takes "
+                    f"{'an int' if kind is int else 'a float'} here"
+                )
+
+    def cache_stats(self) -> CacheStats:
+        return self._snapshot
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self._stats,
+            "busy_seconds": round(self._stats["busy_seconds"], 3),
+            "pool_tokens": self.pool.capacity,
+            "pool_bytes": self.pool_bytes,
+            "max_seqs": self.max_seqs,
+            "prefill_chunk": self.chunk,
+            "threads": self.threads,
+            "load": self.load.why,
+        }
+
+    async def aclose(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._inbox.put(("wake", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+        self._tok.closed = True  # a freed llama.cpp model segfaults: raise instead
+        self._batch.close()
+        self._lc.llama_free(self._ctx)
+        self._lc.llama_model_free(self._model)
+
+    # ---- the worker thread --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closing.is_set():
+            idle = not self._waiting and not self._running
+            try:
+                msg = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if self._waiting or self._running:
+                t0 = time.perf_counter()
+                try:
+                    self._step()
+                except Exception as e:  # a native failure fails the requests, not the batch
+                    self._fail_all(EngineError(f"llama.cpp step failed: {type(e).__name__}: {e}"))
+                self._stats["busy_seconds"] += time.perf_counter() - t0
+                self._snapshot = self._read_cache()
+        self._fail_all(EngineError("engine shut down during generation"))
+
+    def _handle(self, msg: tuple[str, Any]) -> None:
+        kind, what = msg
+        if kind == "generate":
+            self._waiting.append(what)
+        elif kind == "end":
+            for s in self.pool.slots:
+                if s.state == "idle" and s.owner == what:
+                    self._clear(s)
+            self._seen.pop(what, None)
+
+    def _clear(self, slot: Slot) -> None:
+        self.pool.truncate(slot, 0)
+        self._lc.llama_memory_seq_rm(self._mem, slot.id, -1, -1)
+        slot.state, slot.owner = "free", None
+
+    def _truncate(self, slot: Slot, n: int) -> None:
+        if n < len(slot.tokens):
+            self.pool.truncate(slot, n)
+            self._lc.llama_memory_seq_rm(self._mem, slot.id, n, -1)
+
+    def _finish(self, r: _Request, result: Generation | BaseException) -> None:
+        if r.sampler is not None:
+            self._lc.llama_sampler_free(r.sampler)
+            r.sampler = None
+        if r.slot is not None:
+            if isinstance(result, BaseException) or r.cancelled:
+                self._clear(r.slot)  # a failed or cancelled request frees its cells at once
+            else:
+                r.slot.state = "idle"
+                self.pool.touch(r.slot)
+                if r.agent:
+                    self._seen[r.agent] = r.slot.tokens
+            r.slot = None
+
+        def deliver() -> None:
+            if r.fut.done():
+                return
+            if isinstance(result, BaseException):
+                r.fut.set_exception(result)
+            else:
+                r.fut.set_result(result)
+
+        if not r.cancelled:
+            r.loop.call_soon_threadsafe(deliver)
+
+    def _fail_all(self, err: EngineError) -> None:
+        for r in [*self._running, *self._waiting]:
+            self._finish(r, err)
+        self._running, self._waiting = [], []
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        for r in [r for r in [*self._running, *self._waiting] if r.cancelled]:
+            (self._running if r in self._running else self._waiting).remove(r)
+            self._finish(r, EngineError("cancelled"))
+        decoding = [r for r in self._running if r.out and r.done_prompt == len(r.context())]
+        # 1. room for one token of every decoding request: evict idle, then preempt
+        while len(decoding) > self.pool.free and self._make_room(len(decoding)):
+            decoding = [r for r in self._running if r.out and r.done_prompt == len(r.context())]
+        entries: list[tuple[int, int, int, bool]] = []
+        wants: list[tuple[_Request, int]] = []  # request -> its logits row
+        for r in decoding:
+            assert r.slot is not None
+            pos = len(r.slot.tokens)
+            wants.append((r, len(entries)))
+            entries.append((r.out[-1], pos, r.slot.id, True))
+            self.pool.extend(r.slot, [r.out[-1]])
+            r.done_prompt += 1
+        # 2. prompt chunks: the prefilling requests first, then new ones in arrival order
+        budget = self.chunk
+        self._admit()
+        for r in self._running:
+            ctx = r.context()
+            if r in decoding or r.done_prompt >= len(ctx) or budget <= 0:
+                continue
+            assert r.slot is not None
+            n = min(len(ctx) - r.done_prompt, budget, self.pool.free)
+            if n <= 0:
+                continue
+            part = ctx[r.done_prompt : r.done_prompt + n]
+            last = r.done_prompt + n == len(ctx)
+            for i, t in enumerate(part):
+                entries.append((t, r.done_prompt + i, r.slot.id, last and i == n - 1))
+            if last:
+                wants.append((r, len(entries) - 1))
+            self.pool.extend(r.slot, part)
+            r.done_prompt += n
+            budget -= n
+            self._stats["prefill_tokens"] += n
+        if not entries:
+            # nothing could move (the pool is full of prompts in progress): make room, or
+            # fail the newest request rather than spin
+            if not self._make_room(1) and self._running:
+                r = self._running.pop()
+                self._finish(
+                    r,
+                    ContextLimitExceeded(
+                        f"the {self.pool.capacity}-token KV pool cannot hold this request"
+                    ),
+                )
+            return
+        self._batch.fill(entries)
+        rc = self._lc.llama_decode(self._ctx, self._batch.struct)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} ({len(entries)} tokens, "
+                               f"{self.pool.free} cells free by the books)")  # fmt: skip
+        self._stats["steps"] += 1
+        self._stats["decode_tokens"] += len(decoding)
+        self._ratio = max(RATIO_MIN, self._ratio - RATIO_DECAY)
+        for r, row in wants:
+            self._sample(r, row)
+
+    def _make_room(self, need: int) -> bool:
+        """Free cells until `need` fit: evict the least recently used idle slot, else preempt
+        the running request with the fewest generated tokens. False if nothing can go."""
+        idle = self.pool.idle_lru()
+        if idle:
+            s = idle[0]
+            self._stats["evictions"] += 1
+            self._stats["evicted_cells"] += self.pool.freed_by_clearing(s)
+            self._clear(s)
+            return True
+        if len(self._running) <= 1:
+            return False
+        victim = min(self._running, key=lambda r: (len(r.out), -len(r.prompt)))
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, r: _Request) -> None:
+        assert r.slot is not None
+        self._stats["preemptions"] += 1
+        self._running.remove(r)
+        self._clear(r.slot)
+        r.slot, r.done_prompt = None, 0
+        self._waiting.insert(0, r)
+        self._ratio = RATIO_START
+
+    def _reserve(self, r: _Request) -> int:
+        return int(min(max(r.max_new - len(r.out), 0), CLIP_MAX_NEW) * self._ratio)
+
+    def _admit(self) -> None:
+        """Waiting requests in arrival order, while a slot and the cells they need (prompt
+        plus the reserve of every running request) can be had."""
+        i = 0
+        while i < len(self._waiting):
+            r = self._waiting[i]
+            ctx = r.context()
+            if len(ctx) + 1 > self.pool.capacity:
+                self._waiting.pop(i)
+                self._finish(r, ContextLimitExceeded(
+                    f"a request of {len(ctx)} tokens cannot fit the {self.pool.capacity}-token "
+                    "KV pool (raise --pool-tokens)"))  # fmt: skip
+                continue
+            src, n = self.pool.best_match(ctx)
+            if self._coming(ctx, n):
+                i += 1  # a running prompt will hold more of it soon: share that instead
+                continue
+            slot = self._slot_for(r)
+            if slot is None:
+                return
+            src, n = self.pool.best_match(ctx)
+            own = self._common(slot.tokens, ctx) if slot.tokens else 0
+            reuse = min(max(n, own), len(ctx) - 1)
+            need = len(ctx) - reuse + self._reserve(r)
+            need += sum(self._reserve(x) for x in self._running)
+            evictable = sum(self.pool.freed_by_clearing(s) for s in self.pool.idle_lru()
+                            if s is not slot and s is not src)  # fmt: skip
+            if self._running and need > self.pool.free + evictable:
+                return  # it waits: running requests keep their room
+            self._waiting.pop(i)
+            slot.state, slot.owner = "busy", r.agent
+            self.pool.touch(slot)
+            if n > own and src is not None and src is not slot:
+                self._clear(slot)
+                slot.state, slot.owner = "busy", r.agent
+                self.pool.share(src, slot, reuse)
+                self._lc.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, reuse)
+            else:
+                self._truncate(slot, reuse)
+            # the cells for the rest come as the chunks are decoded: evict idle slots now
+            while self.pool.free < min(len(ctx) - reuse, self.chunk) and self.pool.idle_lru():
+                self._make_room(0)
+            r.slot, r.done_prompt = slot, reuse
+            if r.cached is None:
+                r.cached = reuse
+                seen = self._seen.get(r.agent or "")
+                if seen:
+                    self._stats["recomputed_tokens"] += max(
+                        0, min(self._common(seen, ctx), len(ctx) - 1) - reuse
+                    )
+            else:
+                self._stats["recomputed_tokens"] += len(ctx) - reuse  # after a preemption
+            if r.sampler is None:
+                r.sampler = self._sampler(r.sp)
+            self._running.append(r)
+
+    def _coming(self, ctx: list[int], have: int) -> bool:
+        """Whether a request still prefilling will soon hold a longer prefix of `ctx` than
+        the pool has now (by SHARE_WAIT tokens or more): waiting a few steps for it beats
+        computing the same cells twice (agents that start together share the system prompt)."""
+        for r in self._running:
+            if (
+                r.done_prompt < min(len(r.prompt), have + SHARE_WAIT)
+                and self._common(r.prompt, ctx) >= have + SHARE_WAIT
+            ):
+                return True
+        return False
+
+    @staticmethod
+    def _common(a: list[int], b: list[int]) -> int:
+        from .pool import common_prefix
+
+        return common_prefix(a, b)
+
+    def _slot_for(self, r: _Request) -> Slot | None:
+        """The agent's own idle slot, else a free one, else the least recently used idle
+        one (evicted), else none (the request waits)."""
+        mine = [s for s in self.pool.slots if s.state == "idle" and r.agent and s.owner == r.agent]
+        if mine:
+            return mine[0]
+        free = [s for s in self.pool.slots if s.state == "free"]
+        if free:
+            return free[0]
+        idle = self.pool.idle_lru()
+        if idle:
+            self._stats["evictions"] += 1
+            self._stats["evicted_cells"] += self.pool.freed_by_clearing(idle[0])
+            self._clear(idle[0])
+            return idle[0]
+        return None
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def _sampler(self, sp: SamplingParams) -> Any:
+        lc = self._lc
+        x = {"top_k": 40 if sp.temperature else 1, "min_p": 0.0, "typical_p": 1.0,
+             "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+             "penalty_last_n": 64, **self._sampling_extra}  # fmt: skip
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if x["repeat_penalty"] != 1.0 or x["frequency_penalty"] or x["presence_penalty"]:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
+                x["penalty_last_n"], x["repeat_penalty"], x["frequency_penalty"],
+                x["presence_penalty"]))  # fmt: skip
+        if sp.tool_call_schema:
+            g = lc.llama_sampler_init_grammar(
+                lc.llama_model_get_vocab(self._model), self._grammar(sp.tool_call_schema),
+                b"root")  # fmt: skip
+            if not g:
+                lc.llama_sampler_free(chain)
+                raise EngineError("llama.cpp could not compile the tool-call grammar")
+            lc.llama_sampler_chain_add(chain, g)
+        if sp.temperature <= 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        else:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(int(x["top_k"])))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_typical(x["typical_p"], 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sp.top_p, 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(x["min_p"], 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sp.temperature))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(sp.seed & 0xFFFFFFFF))
+        return chain
+
+    def _grammar(self, schema: str) -> bytes:
+        """The reply as exactly `<tool_call>{...}</tool_call>` with the object matching the
+        schema: llama.cpp's GBNF from the JSON schema, wrapped in the tags."""
+        g = self._grammars.get(schema)
+        if g is None:
+            from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+            gbnf = json_schema_to_gbnf(schema).replace("root ::=", "call ::=", 1)
+            gbnf += f'\nroot ::= "{toolcall.OPEN}" call "{toolcall.CLOSE}"\n'
+            g = self._grammars[schema] = gbnf.encode()
+        return g
+
+    def _sample(self, r: _Request, row: int) -> None:
+        lc = self._lc
+        tok = int(lc.llama_sampler_sample(r.sampler, self._ctx, row))
+        if r.sp.logprobs:
+            r.logprobs.append(self._logprob(row, tok))
+        r.out.append(tok)
+        finish, eos = None, False
+        if tok in self._tok.eos_ids:
+            finish, eos = "stop", True
+        elif r.sp.stop:
+            r.text += self._tok.decode_bytes([tok])
+            if any(s in r.text.decode("utf-8", "replace") for s in r.sp.stop):
+                finish = "stop"
+        if finish is None and len(r.out) >= r.max_new:
+            finish = "length"
+        if finish is None:
+            return
+        self._running.remove(r)
+        self._stats["requests"] += 1
+        self._stats["cached_tokens"] += r.cached or 0
+        visible = r.out[:-1] if eos else r.out
+        gen = Generation(
+            output_ids=list(r.out),
+            text=self._tok.decode(visible),
+            prompt_tokens=len(r.prompt),
+            cached_tokens=r.cached or 0,
+            completion_tokens=len(r.out),
+            finish_reason=finish,
+            seconds=time.perf_counter() - r.t0,
+            stopped_on_eos=eos,
+            output_logprobs=list(r.logprobs) if r.sp.logprobs else None,
+        )
+        self._finish(r, gen)
+
+    def _logprob(self, row: int, token: int) -> float:
+        import numpy as np  # a dependency of llama-cpp-python
+
+        ptr = self._lc.llama_get_logits_ith(self._ctx, row)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
+        top = logits.max()
+        return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
+
+    # ---- signals --------------------------------------------------------------------------
+
+    def _read_cache(self) -> CacheStats:
+        p = self.pool
+        held = p.held_by_busy()
+        return CacheStats(
+            usage=held / p.capacity,
+            capacity_tokens=p.capacity,
+            used_tokens=held,
+            extra={
+                "physical_occupancy": p.used / p.capacity,
+                "used_cells": p.used,
+                "evictable_cells": p.used - held,
+                "free_cells": p.free,
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "evictions": self._stats["evictions"],
+                "preemptions": self._stats["preemptions"],
+                "recomputed_tokens": self._stats["recomputed_tokens"],
+            },
+        )

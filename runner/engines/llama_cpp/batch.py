@@ -7,10 +7,11 @@ from typing import Any
 
 
 class NativeBatch:
-    """llama_batch_init(n_tokens, 0, 1), freed with the object (`close`). Each entry is
-    (token, position, sequence id, wants logits)."""
+    """llama_batch_init(n_tokens, 0, 1), freed with `close`. Each entry is (token,
+    position, sequence id, wants logits): one sequence per token (sharing goes through
+    llama_memory_seq_cp, not the batch)."""
 
-    def __init__(self, n_tokens: int, n_seq_max: int = 1) -> None:
+    def __init__(self, n_tokens: int) -> None:
         import llama_cpp
 
         self._lc = llama_cpp

@@ -41,7 +41,7 @@ from ... import toolcall
 from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from . import native
 from .batch import NativeBatch
-from .pool import Pool, Slot
+from .pool import Pool, Slot, common_prefix
 from .tokenizer import LlamaTokenizer
 
 # --sampling-arg keys and their kinds (the rest of Llama.generate's sampler options)
@@ -461,7 +461,7 @@ class LlamaCppEngine:
             if slot is None:
                 return
             src, n = self.pool.best_match(ctx)
-            own = self._common(slot.tokens, ctx) if slot.tokens else 0
+            own = common_prefix(slot.tokens, ctx) if slot.tokens else 0
             reuse = min(max(n, own), len(ctx) - 1)
             need = len(ctx) - reuse + self._reserve(r)
             need += sum(self._reserve(x) for x in self._running)
@@ -488,7 +488,7 @@ class LlamaCppEngine:
                 seen = self._seen.get(r.agent or "")
                 if seen:
                     self._stats["recomputed_tokens"] += max(
-                        0, min(self._common(seen, ctx), len(ctx) - 1) - reuse
+                        0, min(common_prefix(seen, ctx), len(ctx) - 1) - reuse
                     )
             else:
                 self._stats["recomputed_tokens"] += len(ctx) - reuse  # after a preemption
@@ -503,16 +503,10 @@ class LlamaCppEngine:
         for r in self._running:
             if (
                 r.done_prompt < min(len(r.prompt), have + SHARE_WAIT)
-                and self._common(r.prompt, ctx) >= have + SHARE_WAIT
+                and common_prefix(r.prompt, ctx) >= have + SHARE_WAIT
             ):
                 return True
         return False
-
-    @staticmethod
-    def _common(a: list[int], b: list[int]) -> int:
-        from .pool import common_prefix
-
-        return common_prefix(a, b)
 
     def _slot_for(self, r: _Request) -> Slot | None:
         """The agent's own idle slot, else a free one, else the least recently used idle

@@ -198,7 +198,7 @@ def _child(model: Path, threads: int, measure: bool) -> None:
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
     _say(stage="decode")
-    batch = NativeBatch(512, 8)
+    batch = NativeBatch(512)
     n_prompt = 128 if measure else 16
     prompt = [(10 + i % 90) for i in range(n_prompt)]
     t0 = time.perf_counter()

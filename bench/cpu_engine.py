@@ -56,7 +56,7 @@ def raw(b: int, prompt: int, out: int, pool: int, threads: int) -> dict[str, flo
 
 
 async def engine(b: int, prompt: int, out: int, pool: int, threads: int, grammar: bool):
-    e = LlamaCppEngine(n_ctx=4096, n_threads=threads, pool_tokens=pool, max_seqs=64)
+    e = LlamaCppEngine(n_ctx=4096, n_threads=threads, pool_tokens=pool, max_seqs=16)
     eos = e.tokenizer.eos_ids
     e.tokenizer._eos = frozenset()  # a fixed output length: EOS does not end a request here
     try:

@@ -183,16 +183,19 @@ async def test_logprobs_are_the_raw_logits_of_each_sampled_position():
         g = await e.generate(p, SamplingParams(temperature=0.0, max_new_tokens=6, logprobs=True))
     finally:
         await e.aclose()
-    rows = _reference_logprobs(p + g.output_ids[:-1])
+    rows = _reference_logprobs(p + g.output_ids[:-1], prompt=len(p))
     for i, (tok, lp) in enumerate(zip(g.output_ids, g.output_logprobs, strict=True)):
         row = rows[len(p) - 1 + i]
         assert int(row.argmax()) == tok
         assert lp == pytest.approx(float(row[tok]), abs=2e-2)
 
 
-def _reference_logprobs(ids: list[int]):
-    """An independent evaluation: one sequence, the low-level API, logits at every position
-    (the model loaded as the engine loads it: Llama's own loader would take the AMX path)."""
+def _reference_logprobs(ids: list[int], prompt: int):
+    """An independent evaluation: one sequence, the low-level API, logits at every position,
+    computed in the engine's shapes: the prompt in one batch, then one token per decode
+    (llama.cpp's arithmetic depends on the batch shape: a one-batch evaluation of the same
+    ids moved these logprobs by up to 0.11). The model is loaded as the engine loads it
+    (Llama's own loader would take the AMX path), attention without flash attention."""
     import numpy as np
 
     from runner.engines.llama_cpp.batch import NativeBatch
@@ -201,17 +204,24 @@ def _reference_logprobs(ids: list[int]):
                           native.load_choice(native.system_info(), native.cpu_flags()))  # fmt: skip
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, 2, 2
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = llama_cpp.llama_init_from_model(m, cp)
     b = NativeBatch(512)
     try:
-        b.fill([(t, i, 0, True) for i, t in enumerate(ids)])
-        assert llama_cpp.llama_decode(ctx, b.struct) == 0
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(m))
         rows = []
-        for i in range(len(ids)):
-            x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
-            x = x.astype(np.float64)
-            rows.append(x - x.max() - np.log(np.exp(x - x.max()).sum()))
+
+        def decode(part: list[tuple[int, int]]) -> None:
+            b.fill([(t, i, 0, True) for i, t in part])
+            assert llama_cpp.llama_decode(ctx, b.struct) == 0
+            for k in range(len(part)):
+                x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, k), shape=(n_vocab,))
+                x = x.astype(np.float64)
+                rows.append(x - x.max() - np.log(np.exp(x - x.max()).sum()))
+
+        decode(list(enumerate(ids[:prompt])))
+        for i in range(prompt, len(ids)):
+            decode([(i, ids[i])])
         return rows
     finally:
         b.close()

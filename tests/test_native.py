@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.engines.llama_cpp import native
-from runner.engines.llama_cpp.pool import Pool, common_prefix
+from runner.engines.llama_cpp.pool import Pool, common_prefix, runs
 from runner.engines.llama_cpp.selfcheck import NativeEngineCrash, run_selfcheck
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,48 +60,52 @@ def test_common_prefix():
 
 
 def test_the_pool_never_over_commits_under_random_traffic():
-    """Random arrivals, shares, turns, truncations, evictions and cancellations on a tiny
-    pool: after every change the cells in use equal what the slots hold (counted afresh from
-    a cell-by-cell model), and never exceed the capacity."""
+    """Random arrivals, prefix copies, turns, truncations, evictions and cancellations on a
+    tiny pool: after every change the cells in use equal what the slots hold (counted
+    afresh), never exceed the capacity or a slot's stream, and a change that would is
+    refused without touching the books."""
     rng = random.Random(7)
-    pool = Pool(200, 6)
-    # the cell-level truth: (origin slot, origin epoch, position) -> holders
+    pool = Pool(200, 6, 64)
+    refused = 0
     for _ in range(3000):
         s = rng.choice(pool.slots)
         op = rng.random()
+        before = pool.used
         if op < 0.35:  # decode or prefill some tokens
             k = rng.randint(1, 12)
-            if k <= pool.free:
+            try:
                 pool.extend(s, [rng.randint(0, 3) for _ in range(k)])
                 s.state = "busy"
-        elif op < 0.55:  # share a prefix of another slot
+            except RuntimeError:
+                refused += 1
+                assert pool.used == before
+                assert k > pool.free or len(s.tokens) + k > pool.slot_cells
+        elif op < 0.55:  # copy a prefix of another slot
             src = rng.choice(pool.slots)
             if src is not s and src.tokens:
-                pool.share(src, s, rng.randint(1, len(src.tokens)))
-                s.state = "busy"
+                n = rng.randint(1, len(src.tokens))
+                if n <= pool.free + len(s.tokens):
+                    pool.copy(src, s, n)
+                    assert s.tokens == src.tokens[:n]
+                    s.state = "busy"
         elif op < 0.8:  # a turn keeps part of its context
             pool.truncate(s, rng.randint(0, len(s.tokens)))
         else:  # evicted or cancelled: all cells go
             freed = pool.freed_by_clearing(s)
-            before = pool.used
             pool.truncate(s, 0)
             assert before - pool.used == freed
             s.state = "free"
         if s.state != "free" and not s.tokens:
             s.state = "free"
         pool.check()
-        assert pool.used == _cells(pool)
+        assert pool.used == sum(len(x.tokens) for x in pool.slots)
         assert pool.held_by_busy() <= pool.used <= pool.capacity
+    assert refused > 0  # the pool was driven full
 
 
-def _cells(pool: Pool) -> int:
-    """Occupied cells counted one by one: a cell is (group, position) held by anyone."""
-    cells = set()
-    for s in pool.slots:
-        for g in s.groups:
-            for p in range(g.start, g.ends[s.id]):
-                cells.add((id(g), p))
-    return len(cells)
+def test_runs_of_consecutive_sequence_ids():
+    assert runs([]) == 0 and runs([3]) == 1
+    assert runs([0, 1, 2, 3]) == 1 and runs([0, 2, 3, 7]) == 3
 
 
 def _fake_llama(tmp_path: Path, body: str) -> dict[str, str]:

@@ -41,10 +41,11 @@ def _llama_cpp(args: argparse.Namespace, why: str) -> EngineSetup:
         sampling_extra=parse_engine_args(args.sampling_arg, flag="--sampling-arg"),
     )
     log.info(
-        "llama.cpp engine: %s, pool %d tokens (%.0f MiB of KV), %d sequences, prefill chunk "
-        "%d, %d threads; %s",
+        "llama.cpp engine: %s, pool %d tokens (%.0f MiB of KV), %d sequences of %d tokens "
+        "(%.0f MiB allocated), prefill chunk %d, %d threads; %s",
         engine.model, engine.pool.capacity, engine.pool_bytes / 2**20, engine.max_seqs,
-        engine.chunk, engine.threads, engine.load.why,
+        engine.pool.slot_cells, engine.kv_bytes / 2**20, engine.chunk, engine.threads,
+        engine.load.why,
     )  # fmt: skip
     return EngineSetup(engine, why)
 

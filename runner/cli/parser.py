@@ -137,15 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--pool-tokens",
         type=int,
-        help="llama.cpp: the KV pool shared by all running agents, tokens (default: a quarter "
-        "of the free memory, at most 32768; its bytes are logged at start-up)",
+        help="llama.cpp: the KV pool shared by all running agents, tokens (default: all that "
+        "the sequences allocate, --max-seqs x --n-ctx; smaller acts as a smaller memory: "
+        "the engine evicts and preempts to stay within it; logged at start-up)",
     )
     g.add_argument(
         "--max-seqs",
         type=int,
-        default=64,
-        help="llama.cpp: sequences decoded together, at most (slots are leased: a batch may "
-        "have more agents)",
+        help="llama.cpp: sequences decoded together, at most; each allocates a --n-ctx KV "
+        "stream (default: what a quarter of the free memory holds, at most 16; slots are "
+        "leased: a batch may have more agents)",
     )
     g.add_argument(
         "--prefill-chunk",

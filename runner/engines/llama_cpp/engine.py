@@ -5,11 +5,16 @@ carries the next token of every running request plus a bounded chunk of prompt t
 new or resumed requests (the step's token budget, like SGLang's chunked prefill). Requests
 are asyncio futures; the event loop never blocks.
 
-The pool is llama.cpp's unified KV cache of `pool_tokens` cells, shared by `max_seqs`
-sequence slots (pool.py keeps its books). An agent's cells stay in its slot between turns
-(idle, evictable), so a new turn prefills only its delta; a prefix held by another slot
-(the system prompt, the task text of --samples copies) is shared with
-`llama_memory_seq_cp`, not recomputed. When a step does not fit, idle slots are evicted
+Each of the `max_seqs` sequence slots has a KV stream of its own (`kv_unified=False`) and
+attention runs without llama.cpp's flash-attention kernel: measured on 2 cores at 10
+sequences of 2K tokens, 85 tok/s against 28 for one unified cache with flash attention,
+whose CPU kernel visits every cell of every sequence (docs/engines.md). llama.cpp decodes
+each run of consecutive sequence ids in a ubatch of its own, so slots are handed out next
+to the running ones. The pool of `pool_tokens` cells (pool.py keeps its books) is the
+limit the engine holds to. An agent's cells stay in its slot between turns (idle,
+evictable), so a new turn prefills only its delta; a prefix held by another slot (the
+system prompt, the task text of --samples copies) is copied from that slot's stream
+(`llama_memory_seq_cp`), not recomputed. When a step does not fit, idle slots are evicted
 least recently used first, then running requests are preempted (fewest generated tokens
 first, as SGLang retracts): their cells are dropped and recomputed when they resume. Only a
 single request larger than the pool fails (ContextLimitExceeded).
@@ -19,14 +24,19 @@ evictable cells excluded; physical occupancy in `extra`); cached_tokens on every
 generation; evictions, preemptions and recomputed tokens counted (stats()).
 
 Sampling per request is llama.cpp's own sampler chain, built as llama-cpp-python's
-`Llama.generate` builds it (penalties, grammar, then greedy, or top-k, typical, top-p, min-p,
-temperature and a seeded draw). Log-probabilities are the raw logits' log-softmax at the row
-that produced each token (before penalties, grammar and temperature), as before.
+`Llama.generate` builds it (penalties, then greedy, or top-k, typical, top-p, min-p,
+temperature and a seeded draw). The tool-call grammar is checked lazily, as llama.cpp's
+own `common_sampler` does: the chain samples from the free logits, the grammar checks that
+one token, and only a rejected token is sampled again with the grammar over the whole
+vocabulary (greedy: the same token as grammar-first; a draw: the same distribution).
+Log-probabilities are the raw logits' log-softmax at the row that produced each token
+(before penalties, grammar and temperature), as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import difflib
 import math
 import os
@@ -41,7 +51,7 @@ from ... import toolcall
 from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from . import native
 from .batch import NativeBatch
-from .pool import Pool, Slot, common_prefix
+from .pool import Pool, Slot, common_prefix, runs
 from .tokenizer import LlamaTokenizer
 
 # --sampling-arg keys and their kinds (the rest of Llama.generate's sampler options)
@@ -67,17 +77,21 @@ def kv_bytes_per_token(model: Any) -> int:
     return 4 * n_layer * llama_cpp.llama_model_n_head_kv(model) * head_dim
 
 
-def default_pool_tokens(bytes_per_token: int, cap: int = 32768) -> int:
-    """A quarter of the memory available now, at most `cap` tokens, a multiple of 256."""
-    avail = 8 << 30
+def _available_memory() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) << 10
+                return int(line.split()[1]) << 10
     except OSError:
         pass
-    n = min(cap, avail // 4 // max(1, bytes_per_token))
-    return max(256, n // 256 * 256)
+    return 8 << 30
+
+
+def default_max_seqs(slot_bytes: int, cap: int = 16) -> int:
+    """As many slots as a quarter of the memory available now holds, 1..`cap` (each slot
+    allocates a whole stream; past ~16 sequences a 2-core CPU gains little, see
+    docs/engines.md)."""
+    return max(1, min(cap, _available_memory() // 4 // max(1, slot_bytes)))
 
 
 @dataclass(eq=False)
@@ -94,7 +108,8 @@ class _Request:
     slot: Slot | None = None
     done_prompt: int = 0  # tokens of prompt + out[:-1] in the slot's cells
     cached: int | None = None  # prefix found in the pool at first admission
-    sampler: Any = None
+    sampler: Any = None  # the chain: penalties, then greedy or the seeded draw
+    grammar: Any = None  # the tool-call grammar, checked lazily (_sample)
     cancelled: bool = False
     text: bytes = b""
 
@@ -116,7 +131,7 @@ class LlamaCppEngine:
         n_ctx: int = 8192,
         n_threads: int | None = None,
         pool_tokens: int | None = None,
-        max_seqs: int = 64,
+        max_seqs: int | None = None,
         prefill_chunk: int = 512,
         seed: int = 0,
         sampling_extra: dict[str, Any] | None = None,
@@ -128,12 +143,13 @@ class LlamaCppEngine:
                 "the CPU engine needs llama-cpp-python: pip install "
                 f"llama-cpp-python=={native.PINNED_VERSION} (compiles llama.cpp, ~5 min) ({e})"
             ) from None
-        if not 1 <= max_seqs <= llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(
-                f"--max-seqs must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {max_seqs}"
-            )
+        limit = llama_cpp.llama_max_parallel_sequences()
+        if max_seqs is not None and not 1 <= max_seqs <= limit:
+            raise ValueError(f"--max-seqs must be 1..{limit}, got {max_seqs}")
         if prefill_chunk < 16:
             raise ValueError(f"--prefill-chunk must be >= 16 tokens, got {prefill_chunk}")
+        if pool_tokens is not None and pool_tokens < 64:
+            raise ValueError(f"--pool-tokens must be >= 64, got {pool_tokens}")
         self._lc = llama_cpp
         path = Path(model_path) if model_path else native.default_model_path()
         if not path.is_file():
@@ -143,40 +159,60 @@ class LlamaCppEngine:
         self.load = native.load_choice(native.system_info(), native.cpu_flags())
         self._model = native.load_model(path, self.load)
         self.bytes_per_token = kv_bytes_per_token(self._model)
-        cells = pool_tokens or default_pool_tokens(self.bytes_per_token)
-        if cells < 64:
-            raise ValueError(f"--pool-tokens must be >= 64, got {cells}")
+        n_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        # every slot's stream holds a whole context; llama.cpp pads it to 256 cells
+        slot_cells = -(-min(n_ctx, n_train or n_ctx) // 256) * 256
+        if max_seqs is None:
+            max_seqs = default_max_seqs(slot_cells * self.bytes_per_token)
+        cells = pool_tokens or slot_cells * max_seqs
+        if cells > slot_cells * max_seqs:
+            raise ValueError(
+                f"--pool-tokens {cells} exceeds the {slot_cells * max_seqs} cells that "
+                f"{max_seqs} sequences of {slot_cells} tokens allocate: raise --max-seqs"
+            )
         self.max_seqs, self.chunk = max_seqs, prefill_chunk
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = cells
+        cp.n_ctx = slot_cells * max_seqs
         cp.n_batch = prefill_chunk + max_seqs
         cp.n_ubatch = min(cp.n_batch, 512)
         cp.n_seq_max = max_seqs
-        cp.kv_unified = True  # one pool of cells for every sequence
+        cp.kv_unified = False  # a stream per sequence: attention reads its own cells only
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # 3x slower on CPU
         cp.n_threads = cp.n_threads_batch = self.threads
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
-            raise EngineError(f"llama.cpp could not create a context of {cells} cells")
+            raise EngineError(
+                f"llama.cpp could not create a context of {max_seqs} x {slot_cells} cells"
+            )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self.pool = Pool(llama_cpp.llama_n_ctx(self._ctx), max_seqs)
-        n_train = llama_cpp.llama_model_n_ctx_train(self._model)
-        self.context_limit = min(n_ctx, self.pool.capacity, n_train or n_ctx)
+        slot_cells = llama_cpp.llama_n_ctx_seq(self._ctx)
+        self.pool = Pool(min(cells, slot_cells * max_seqs), max_seqs, slot_cells)
+        self.context_limit = min(n_ctx, slot_cells, self.pool.capacity, n_train or n_ctx)
         self.pool_bytes = self.pool.capacity * self.bytes_per_token
+        self.kv_bytes = slot_cells * max_seqs * self.bytes_per_token  # what was allocated
         self._batch = NativeBatch(cp.n_batch)
         self._tok = LlamaTokenizer(self._model, self.model_path)
         self._n_vocab = self._tok.n_vocab
         self._grammars: dict[str, bytes] = {}
         self._sampling_extra = dict(sampling_extra or {})
         self._seed = seed
+        import numpy as np  # a dependency of llama-cpp-python
+
+        self._np = np
+        self._ids = np.arange(self._n_vocab, dtype=np.int32)
+        self._cand = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        self._cand_p = self._cand.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
+        self._one = (llama_cpp.llama_token_data * 1)()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._seen: dict[str, list[int]] = {}  # agent -> the context it last held
         self._ratio = RATIO_START
         self._stats: dict[str, Any] = dict.fromkeys(
-            ("steps", "decode_tokens", "prefill_tokens", "cached_tokens", "recomputed_tokens",
-             "evictions", "evicted_cells", "preemptions", "requests", "busy_seconds"), 0,
+            ("steps", "ubatches", "decode_tokens", "prefill_tokens", "cached_tokens",
+             "copied_tokens", "recomputed_tokens", "evictions", "evicted_cells", "preemptions",
+             "requests", "grammar_resamples", "busy_seconds"), 0,
         )  # fmt: skip
         self._snapshot = self._read_cache()
         self._closing = threading.Event()
@@ -257,6 +293,8 @@ class LlamaCppEngine:
             "busy_seconds": round(self._stats["busy_seconds"], 3),
             "pool_tokens": self.pool.capacity,
             "pool_bytes": self.pool_bytes,
+            "kv_bytes": self.kv_bytes,
+            "slot_tokens": self.pool.slot_cells,
             "max_seqs": self.max_seqs,
             "prefill_chunk": self.chunk,
             "threads": self.threads,
@@ -320,9 +358,10 @@ class LlamaCppEngine:
             self._lc.llama_memory_seq_rm(self._mem, slot.id, n, -1)
 
     def _finish(self, r: _Request, result: Generation | BaseException) -> None:
-        if r.sampler is not None:
-            self._lc.llama_sampler_free(r.sampler)
-            r.sampler = None
+        for smpl in (r.sampler, r.grammar):
+            if smpl is not None:
+                self._lc.llama_sampler_free(smpl)
+        r.sampler = r.grammar = None
         if r.slot is not None:
             if isinstance(result, BaseException) or r.cancelled:
                 self._clear(r.slot)  # a failed or cancelled request frees its cells at once
@@ -359,18 +398,18 @@ class LlamaCppEngine:
         # 1. room for one token of every decoding request: evict idle, then preempt
         while len(decoding) > self.pool.free and self._make_room(len(decoding)):
             decoding = [r for r in self._running if r.out and r.done_prompt == len(r.context())]
-        entries: list[tuple[int, int, int, bool]] = []
-        wants: list[tuple[_Request, int]] = []  # request -> its logits row
+        # 2. new requests, before this step's tokens enter the books: a prefix copied from
+        # another slot must be one llama.cpp has computed (copies run before the decode)
+        self._admit(hold=len(decoding))
+        # (slot, position, token, request wanting this row's logits)
+        rows: list[tuple[int, int, int, _Request | None]] = []
         for r in decoding:
             assert r.slot is not None
-            pos = len(r.slot.tokens)
-            wants.append((r, len(entries)))
-            entries.append((r.out[-1], pos, r.slot.id, True))
+            rows.append((r.slot.id, len(r.slot.tokens), r.out[-1], r))
             self.pool.extend(r.slot, [r.out[-1]])
             r.done_prompt += 1
-        # 2. prompt chunks: the prefilling requests first, then new ones in arrival order
+        # 3. prompt chunks: the prefilling requests in arrival order, up to the budget
         budget = self.chunk
-        self._admit()
         for r in self._running:
             ctx = r.context()
             if r in decoding or r.done_prompt >= len(ctx) or budget <= 0:
@@ -382,14 +421,12 @@ class LlamaCppEngine:
             part = ctx[r.done_prompt : r.done_prompt + n]
             last = r.done_prompt + n == len(ctx)
             for i, t in enumerate(part):
-                entries.append((t, r.done_prompt + i, r.slot.id, last and i == n - 1))
-            if last:
-                wants.append((r, len(entries) - 1))
+                rows.append((r.slot.id, r.done_prompt + i, t, r if last and i == n - 1 else None))
             self.pool.extend(r.slot, part)
             r.done_prompt += n
             budget -= n
             self._stats["prefill_tokens"] += n
-        if not entries:
+        if not rows:
             # nothing could move (the pool is full of prompts in progress): make room, or
             # fail the newest request rather than spin
             if not self._make_room(1) and self._running:
@@ -401,32 +438,38 @@ class LlamaCppEngine:
                     ),
                 )
             return
-        self._batch.fill(entries)
+        # by sequence id: llama.cpp splits the batch into runs of consecutive ids
+        rows.sort(key=lambda e: (e[0], e[1]))
+        self._batch.fill([(t, pos, sid, r is not None) for sid, pos, t, r in rows])
         rc = self._lc.llama_decode(self._ctx, self._batch.struct)
         if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} ({len(entries)} tokens, "
+            raise RuntimeError(f"llama_decode returned {rc} ({len(rows)} tokens, "
                                f"{self.pool.free} cells free by the books)")  # fmt: skip
         self._stats["steps"] += 1
+        self._stats["ubatches"] += runs(sorted({e[0] for e in rows}))
         self._stats["decode_tokens"] += len(decoding)
         self._ratio = max(RATIO_MIN, self._ratio - RATIO_DECAY)
-        for r, row in wants:
-            self._sample(r, row)
+        for i, (_, _, _, want) in enumerate(rows):
+            if want is not None:
+                self._sample(want, i)
 
     def _make_room(self, need: int) -> bool:
         """Free cells until `need` fit: evict the least recently used idle slot, else preempt
         the running request with the fewest generated tokens. False if nothing can go."""
         idle = self.pool.idle_lru()
         if idle:
-            s = idle[0]
-            self._stats["evictions"] += 1
-            self._stats["evicted_cells"] += self.pool.freed_by_clearing(s)
-            self._clear(s)
+            self._evict(idle[0])
             return True
         if len(self._running) <= 1:
             return False
         victim = min(self._running, key=lambda r: (len(r.out), -len(r.prompt)))
         self._preempt(victim)
         return True
+
+    def _evict(self, slot: Slot) -> None:
+        self._stats["evictions"] += 1
+        self._stats["evicted_cells"] += self.pool.freed_by_clearing(slot)
+        self._clear(slot)
 
     def _preempt(self, r: _Request) -> None:
         assert r.slot is not None
@@ -440,9 +483,10 @@ class LlamaCppEngine:
     def _reserve(self, r: _Request) -> int:
         return int(min(max(r.max_new - len(r.out), 0), CLIP_MAX_NEW) * self._ratio)
 
-    def _admit(self) -> None:
+    def _admit(self, hold: int) -> None:
         """Waiting requests in arrival order, while a slot and the cells they need (prompt
-        plus the reserve of every running request) can be had."""
+        plus the reserve of every running request) can be had. `hold`: cells this step's
+        decoding tokens will take."""
         i = 0
         while i < len(self._waiting):
             r = self._waiting[i]
@@ -455,33 +499,45 @@ class LlamaCppEngine:
                 continue
             src, n = self.pool.best_match(ctx)
             if self._coming(ctx, n):
-                i += 1  # a running prompt will hold more of it soon: share that instead
+                i += 1  # a running prompt will hold more of it soon: copy that instead
                 continue
             slot = self._slot_for(r)
             if slot is None:
                 return
             src, n = self.pool.best_match(ctx)
             own = common_prefix(slot.tokens, ctx) if slot.tokens else 0
-            reuse = min(max(n, own), len(ctx) - 1)
-            need = len(ctx) - reuse + self._reserve(r)
+            copy = src is not None and src is not slot and n > own
+            reuse = min(n if copy else own, len(ctx) - 1)
+            keep = 0 if copy else reuse  # cells the slot keeps
+            need = len(ctx) - keep + self._reserve(r) + hold
             need += sum(self._reserve(x) for x in self._running)
             evictable = sum(self.pool.freed_by_clearing(s) for s in self.pool.idle_lru()
                             if s is not slot and s is not src)  # fmt: skip
-            if self._running and need > self.pool.free + evictable:
+            have = self.pool.free + len(slot.tokens) - keep + evictable
+            if self._running and need > have:
                 return  # it waits: running requests keep their room
             self._waiting.pop(i)
             slot.state, slot.owner = "busy", r.agent
             self.pool.touch(slot)
-            if n > own and src is not None and src is not slot:
+            if copy:
+                assert src is not None
                 self._clear(slot)
                 slot.state, slot.owner = "busy", r.agent
-                self.pool.share(src, slot, reuse)
-                self._lc.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, reuse)
+                while self.pool.free - hold < reuse and self._evict_other(slot, src):
+                    pass
+                reuse = max(0, min(reuse, self.pool.free - hold))
+                if reuse:
+                    self.pool.copy(src, slot, reuse)
+                    # the whole stream (llama.cpp copies streams whole), then cut to the prefix
+                    self._lc.llama_memory_seq_cp(self._mem, src.id, slot.id, -1, -1)
+                    self._lc.llama_memory_seq_rm(self._mem, slot.id, reuse, -1)
+                    self._stats["copied_tokens"] += reuse
             else:
                 self._truncate(slot, reuse)
             # the cells for the rest come as the chunks are decoded: evict idle slots now
-            while self.pool.free < min(len(ctx) - reuse, self.chunk) and self.pool.idle_lru():
-                self._make_room(0)
+            while self.pool.free - hold < min(len(ctx) - reuse, self.chunk):
+                if not self._evict_other(slot, None):
+                    break
             r.slot, r.done_prompt = slot, reuse
             if r.cached is None:
                 r.cached = reuse
@@ -493,8 +549,15 @@ class LlamaCppEngine:
             else:
                 self._stats["recomputed_tokens"] += len(ctx) - reuse  # after a preemption
             if r.sampler is None:
-                r.sampler = self._sampler(r.sp)
+                r.sampler, r.grammar = self._sampler(r.sp)
             self._running.append(r)
+
+    def _evict_other(self, slot: Slot, src: Slot | None) -> bool:
+        for s in self.pool.idle_lru():
+            if s is not slot and s is not src:
+                self._evict(s)
+                return True
+        return False
 
     def _coming(self, ctx: list[int], have: int) -> bool:
         """Whether a request still prefilling will soon hold a longer prefix of `ctx` than
@@ -509,42 +572,47 @@ class LlamaCppEngine:
         return False
 
     def _slot_for(self, r: _Request) -> Slot | None:
-        """The agent's own idle slot, else a free one, else the least recently used idle
-        one (evicted), else none (the request waits)."""
-        mine = [s for s in self.pool.slots if s.state == "idle" and r.agent and s.owner == r.agent]
+        """The agent's own idle slot, else a free one next to the busy ones (llama.cpp
+        decodes each run of consecutive ids as a ubatch of its own), else the least
+        recently used idle one (evicted), else none (the request waits)."""
+        slots = self.pool.slots
+        mine = [s for s in slots if s.state == "idle" and r.agent and s.owner == r.agent]
         if mine:
             return mine[0]
-        free = [s for s in self.pool.slots if s.state == "free"]
+
+        def busy(i: int) -> int:
+            return int(0 <= i < len(slots) and slots[i].state == "busy")
+
+        free = [s for s in slots if s.state == "free"]
         if free:
-            return free[0]
+            return min(free, key=lambda s: (-busy(s.id - 1) - busy(s.id + 1), s.id))
         idle = self.pool.idle_lru()
         if idle:
-            self._stats["evictions"] += 1
-            self._stats["evicted_cells"] += self.pool.freed_by_clearing(idle[0])
-            self._clear(idle[0])
+            self._evict(idle[0])
             return idle[0]
         return None
 
     # ---- sampling -------------------------------------------------------------------------
 
-    def _sampler(self, sp: SamplingParams) -> Any:
+    def _sampler(self, sp: SamplingParams) -> tuple[Any, Any]:
+        """The request's chain (Llama.generate's order, the grammar taken out) and its
+        grammar sampler (None without a schema)."""
         lc = self._lc
         x = {"top_k": 40 if sp.temperature else 1, "min_p": 0.0, "typical_p": 1.0,
              "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
              "penalty_last_n": 64, **self._sampling_extra}  # fmt: skip
+        grammar = None
+        if sp.tool_call_schema:
+            grammar = lc.llama_sampler_init_grammar(
+                lc.llama_model_get_vocab(self._model), self._grammar(sp.tool_call_schema),
+                b"root")  # fmt: skip
+            if not grammar:
+                raise EngineError("llama.cpp could not compile the tool-call grammar")
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if x["repeat_penalty"] != 1.0 or x["frequency_penalty"] or x["presence_penalty"]:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
                 x["penalty_last_n"], x["repeat_penalty"], x["frequency_penalty"],
                 x["presence_penalty"]))  # fmt: skip
-        if sp.tool_call_schema:
-            g = lc.llama_sampler_init_grammar(
-                lc.llama_model_get_vocab(self._model), self._grammar(sp.tool_call_schema),
-                b"root")  # fmt: skip
-            if not g:
-                lc.llama_sampler_free(chain)
-                raise EngineError("llama.cpp could not compile the tool-call grammar")
-            lc.llama_sampler_chain_add(chain, g)
         if sp.temperature <= 0.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         else:
@@ -554,7 +622,7 @@ class LlamaCppEngine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(x["min_p"], 1))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sp.temperature))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(sp.seed & 0xFFFFFFFF))
-        return chain
+        return chain, grammar
 
     def _grammar(self, schema: str) -> bytes:
         """The reply as exactly `<tool_call>{...}</tool_call>` with the object matching the
@@ -568,9 +636,36 @@ class LlamaCppEngine:
             g = self._grammars[schema] = gbnf.encode()
         return g
 
+    def _draw(self, chain: Any, logits: Any, grammar: Any = None) -> int:
+        """Apply `grammar` (if any) then `chain` to the whole vocabulary; the token drawn."""
+        lc, cand = self._lc, self._cand
+        cand["id"] = self._ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = lc.llama_token_data_array(self._cand_p, self._n_vocab, -1, False)
+        if grammar is not None:
+            lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        lc.llama_sampler_apply(chain, ctypes.byref(arr))
+        return int(arr.data[arr.selected].id)
+
+    def _allowed(self, grammar: Any, tok: int) -> bool:
+        one = self._one
+        one[0] = self._lc.llama_token_data(tok, 0.0, 0.0)
+        arr = self._lc.llama_token_data_array(one, 1, -1, False)
+        self._lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        return math.isfinite(one[0].logit)
+
     def _sample(self, r: _Request, row: int) -> None:
         lc = self._lc
-        tok = int(lc.llama_sampler_sample(r.sampler, self._ctx, row))
+        ptr = lc.llama_get_logits_ith(self._ctx, row)
+        logits = self._np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        tok = self._draw(r.sampler, logits)
+        if r.grammar is not None:
+            if not self._allowed(r.grammar, tok):
+                self._stats["grammar_resamples"] += 1
+                tok = self._draw(r.sampler, logits, r.grammar)
+            lc.llama_sampler_accept(r.grammar, tok)
+        lc.llama_sampler_accept(r.sampler, tok)
         if r.sp.logprobs:
             r.logprobs.append(self._logprob(row, tok))
         r.out.append(tok)
@@ -603,8 +698,7 @@ class LlamaCppEngine:
         self._finish(r, gen)
 
     def _logprob(self, row: int, token: int) -> float:
-        import numpy as np  # a dependency of llama-cpp-python
-
+        np = self._np
         ptr = self._lc.llama_get_logits_ith(self._ctx, row)
         logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
         top = logits.max()

@@ -1,16 +1,17 @@
-"""The KV pool's bookkeeping: which llama.cpp cells each sequence slot holds, shared or not.
+"""The KV pool's bookkeeping: how many llama.cpp cells each sequence slot holds.
 
-llama.cpp's unified KV cache is one array of cells; a cell holds one token at one position
-for a set of sequence ids, and is free when that set is empty. `llama_memory_seq_cp(src,
-dst, 0, n)` adds dst to the cells of src's first n positions (sharing, no copy);
-`llama_memory_seq_rm(s, n, -1)` takes s off its cells from position n on. This module keeps
-the same facts in Python, without llama.cpp, so that the engine knows before each step how
-many cells are free, how many the running requests hold and what evicting a slot frees.
+Each slot is one llama.cpp sequence with a KV stream of its own (`kv_unified=False`): its
+attention reads its own cells only, which on a CPU is 3x faster than one unified cache at
+10 agents of 2K tokens (docs/engines.md). A slot's cells are its positions 0..n-1, so a
+slot is its token list. Sharing a prefix between slots copies the source stream
+(`llama_memory_seq_cp`, then `llama_memory_seq_rm` past the prefix): the copy holds cells
+of its own, as many as the prefix.
 
-Cells are counted by group: the cells one slot computed in one go, positions [start, ...).
-Each holder of a group holds a prefix of it, [start, end_h) (sharing and truncation only
-ever keep prefixes), so the group occupies max(end_h) - start cells. The engine mirrors every
-share / truncate / extend here into llama.cpp.
+`capacity` is the pool's limit in cells, at most slots x cells per slot (the memory
+llama.cpp allocated); the engine evicts and preempts to stay within it, so a pool smaller
+than the allocation behaves as a smaller memory would. This module keeps the books in
+Python, without llama.cpp, so that the engine knows before each step how many cells are
+free, how many the running requests hold and what evicting a slot frees.
 """
 
 from __future__ import annotations
@@ -19,23 +20,12 @@ from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
-class Group:
-    start: int
-    ends: dict[int, int] = field(default_factory=dict)  # slot id -> end position held
-
-    @property
-    def extent(self) -> int:
-        return (max(self.ends.values()) - self.start) if self.ends else 0
-
-
-@dataclass(eq=False)
 class Slot:
-    """One llama.cpp sequence id. state: "free" (no cells), "idle" (cells kept for `owner`'s
-    next turn, evictable), "busy" (leased to a running request)."""
+    """One llama.cpp sequence id (and its stream). state: "free" (no cells), "idle" (cells
+    kept for `owner`'s next turn, evictable), "busy" (leased to a running request)."""
 
     id: int
     tokens: list[int] = field(default_factory=list)  # its positions 0..n-1
-    groups: list[Group] = field(default_factory=list)  # in position order
     state: str = "free"
     owner: str | None = None
     last_used: int = 0  # a counter, for LRU
@@ -58,11 +48,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def runs(ids: list[int]) -> int:
+    """How many runs of consecutive ids a sorted list has: llama.cpp decodes each run of
+    consecutive sequence ids in a ubatch of its own when the streams are separate."""
+    return sum(1 for i, s in enumerate(ids) if i == 0 or s != ids[i - 1] + 1)
+
+
 class Pool:
-    def __init__(self, capacity: int, n_slots: int) -> None:
-        if capacity < 1 or n_slots < 1:
+    def __init__(self, capacity: int, n_slots: int, slot_cells: int) -> None:
+        if capacity < 1 or n_slots < 1 or slot_cells < 1:
             raise ValueError(f"a pool needs cells and slots (got {capacity}, {n_slots})")
+        if capacity > n_slots * slot_cells:
+            raise ValueError(
+                f"a pool of {capacity} cells exceeds its {n_slots} slots x {slot_cells} cells"
+            )
         self.capacity = capacity
+        self.slot_cells = slot_cells
         self.slots = [Slot(i) for i in range(n_slots)]
         self.used = 0
         self._clock = 0
@@ -74,30 +75,11 @@ class Pool:
         return self.capacity - self.used
 
     def held_by_busy(self) -> int:
-        """Cells held by busy slots (shared cells once): SGLang's token_usage numerator."""
-        return self._held({s.id for s in self.slots if s.state == "busy"})
-
-    def _held(self, ids: set[int]) -> int:
-        seen: set[int] = set()
-        total = 0
-        for s in self.slots:
-            if s.id not in ids:
-                continue
-            for g in s.groups:
-                if id(g) in seen:
-                    continue
-                seen.add(id(g))
-                ends = [e for k, e in g.ends.items() if k in ids]
-                total += max(ends) - g.start
-        return total
+        """Cells held by busy slots: SGLang's token_usage numerator."""
+        return sum(len(s.tokens) for s in self.slots if s.state == "busy")
 
     def freed_by_clearing(self, slot: Slot) -> int:
-        """Cells that emptying `slot` would free (those no other slot holds)."""
-        freed = 0
-        for g in slot.groups:
-            others = [e for k, e in g.ends.items() if k != slot.id]
-            freed += g.extent - ((max(others) - g.start) if others else 0)
-        return freed
+        return len(slot.tokens)
 
     def best_match(self, prompt: list[int]) -> tuple[Slot | None, int]:
         """The slot holding the longest prefix of `prompt`, and its length."""
@@ -121,61 +103,37 @@ class Pool:
     def truncate(self, slot: Slot, n: int) -> None:
         """Keep positions < n (llama_memory_seq_rm(slot, n, -1))."""
         n = max(0, n)
-        while slot.groups:
-            g = slot.groups[-1]
-            before = g.extent
-            if g.start >= n:
-                del g.ends[slot.id]
-                slot.groups.pop()
-                self.used += g.extent - before
-                continue
-            if g.ends[slot.id] > n:
-                g.ends[slot.id] = n
-                self.used += g.extent - before
-            break
-        del slot.tokens[n:]
+        if n < len(slot.tokens):
+            self.used -= len(slot.tokens) - n
+            del slot.tokens[n:]
 
-    def share(self, src: Slot, dst: Slot, n: int) -> None:
-        """dst (emptied first) takes src's cells for positions < n
-        (llama_memory_seq_cp(src, dst, 0, n)). No cell is added."""
+    def copy(self, src: Slot, dst: Slot, n: int) -> None:
+        """dst (emptied first) takes a copy of src's positions < n
+        (llama_memory_seq_cp(src, dst), then llama_memory_seq_rm(dst, n, -1))."""
         self.truncate(dst, 0)
-        for g in src.groups:
-            if g.start >= n:
-                break
-            g.ends[dst.id] = min(g.ends[src.id], n)
-            dst.groups.append(g)
+        n = min(n, len(src.tokens))
+        if n > self.free:
+            raise RuntimeError(f"pool over-committed: {n} cells asked, {self.free} free")
         dst.tokens = src.tokens[:n]
+        self.used += n
 
     def extend(self, slot: Slot, tokens: list[int]) -> None:
         """New cells for `tokens` at the slot's next positions (a llama_decode)."""
         k = len(tokens)
-        if k == 0:
-            return
         if k > self.free:
             raise RuntimeError(f"pool over-committed: {k} cells asked, {self.free} free")
-        pos = len(slot.tokens)
-        last = slot.groups[-1] if slot.groups else None
-        if last is not None and last.ends[slot.id] == pos and last.start + last.extent == pos:
-            last.ends[slot.id] = pos + k  # the slot's own tail: grow its group
-        else:
-            g = Group(pos, {slot.id: pos + k})
-            slot.groups.append(g)
+        if len(slot.tokens) + k > self.slot_cells:
+            raise RuntimeError(
+                f"slot {slot.id} over-filled: {len(slot.tokens) + k} of {self.slot_cells} cells"
+            )
         self.used += k
         slot.tokens.extend(tokens)
 
     def check(self) -> None:
-        """The invariants (tests): used equals the cells the groups occupy, each slot's
-        groups cover exactly its positions, nothing exceeds the capacity."""
-        groups: dict[int, Group] = {}
-        for s in self.slots:
-            pos = 0
-            for g in s.groups:
-                assert g.start == pos, (s.id, g.start, pos)
-                pos = g.ends[s.id]
-                assert pos > g.start
-                groups[id(g)] = g
-            assert pos == len(s.tokens), (s.id, pos, len(s.tokens))
-            assert s.state != "free" or not s.tokens, s.id
-        occupied = sum(g.extent for g in groups.values())
-        assert occupied == self.used, (occupied, self.used)
+        """The invariants (tests): used equals what the slots hold, nothing exceeds the
+        capacity or a slot's stream, a free slot holds nothing."""
+        assert self.used == sum(len(s.tokens) for s in self.slots), self.used
         assert 0 <= self.used <= self.capacity
+        for s in self.slots:
+            assert len(s.tokens) <= self.slot_cells, s.id
+            assert s.state != "free" or not s.tokens, s.id

@@ -176,6 +176,30 @@ async def test_concurrent_grammar_requests_each_make_a_valid_call():
 
 
 @pytest.mark.slow
+async def test_a_grammar_redraw_over_the_top_logits_equals_one_over_the_whole_vocabulary():
+    """A token the grammar rejects is drawn again over the 256 highest logits when enough of
+    them are valid: the same tokens as over the whole vocabulary, greedy and seeded draws."""
+    schema = json.dumps({"type": "object", "required": ["command"], "properties": {
+        "command": {"type": "string"}}})  # fmt: skip
+    sps = [SamplingParams(temperature=t, max_new_tokens=40, tool_call_schema=schema, seed=3)
+           for t in (0.0, 0.8)]  # fmt: skip
+    outs = []
+    for whole in (False, True):
+        e = _engine()
+        if whole:
+            e._enough = lambda sp: None  # type: ignore[method-assign]
+        try:
+            p = _prompt(e, "List the files.")
+            outs.append([(await e.generate(p, sp)).output_ids for sp in sps])
+            outs.append(e.stats()["grammar_resamples"])
+        finally:
+            await e.aclose()
+    top, n_top, whole, n_whole = outs
+    assert n_top == n_whole > 0  # the redraw path was taken
+    assert top == whole
+
+
+@pytest.mark.slow
 async def test_logprobs_are_the_raw_logits_of_each_sampled_position():
     e = _engine()
     try:

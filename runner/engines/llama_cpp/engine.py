@@ -705,13 +705,20 @@ class LlamaCppEngine:
         lc = self._lc
         ptr = lc.llama_get_logits_ith(self._ctx, row)
         logits = self._np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        tok = self._draw(r.sampler, logits)
+        if r.enough is not None:
+            # llama.cpp fills the candidates in C and accepts the token into the chain, which
+            # without penalties keeps no history: a redraw after it changes nothing there
+            tok = int(lc.llama_sampler_sample(r.sampler, self._ctx, row))
+            accepted = True
+        else:
+            tok, accepted = self._draw(r.sampler, logits), False
         if r.grammar is not None:
             if not self._allowed(r.grammar, tok):
                 self._stats["grammar_resamples"] += 1
                 tok = self._redraw(r, logits)
             lc.llama_sampler_accept(r.grammar, tok)
-        lc.llama_sampler_accept(r.sampler, tok)
+        if not accepted:
+            lc.llama_sampler_accept(r.sampler, tok)
         if r.sp.logprobs:
             r.logprobs.append(self._logprob(logits, tok))
         r.out.append(tok)

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,22 +139,27 @@ def one(spec: dict) -> None:
     """In the child: run.py's main in this (the event loop's) thread, with the batched engine
     or the one-at-a-time baseline; then this thread's CPU seconds, less those the engine's
     constructor spent in it (llama.cpp clears the KV it allocates: engine work)."""
+    mod: Any
     if spec["engine"] == "one-at-a-time":
         sys.path.insert(0, str(ROOT / "bench"))
-        import one_at_a_time as mod
+        import one_at_a_time
         from one_at_a_time import main as run_main
+
+        mod = one_at_a_time
     else:
         from runner.cli.main import main as run_main
-        from runner.engines.llama_cpp import engine as mod
+        from runner.engines.llama_cpp import engine as batched
+
+        mod = batched
     init = mod.LlamaCppEngine.__init__
     spent = [0.0]
 
     def timed_init(self: object, *args: object, **kw: object) -> None:
         c = time.thread_time()
-        init(self, *args, **kw)  # type: ignore[arg-type]
+        init(self, *args, **kw)
         spent[0] += time.thread_time() - c
 
-    mod.LlamaCppEngine.__init__ = timed_init  # type: ignore[method-assign]
+    mod.LlamaCppEngine.__init__ = timed_init
     c0 = time.thread_time()
     rc = run_main(spec["argv"])
     cpu = time.thread_time() - c0 - spent[0]

@@ -2,11 +2,12 @@
 
 A native crash (SIGSEGV in a kernel, SIGILL from a wheel built for another CPU) kills the
 process it happens in, so the batch cannot catch it. The runner first loads the model and
-decodes a few tokens in a child, the same way the engine will (the same load choice, one
-unified KV pool, two sequences in one batch); if the child dies of a signal, the run stops
-before it writes anything, with what crashed, the build, the CPU and the command that fixes
-it. A check that passed is remembered (keyed by the native library's files, the model file
-and the interpreter), so a rerun on the same install costs nothing.
+decodes a few tokens in a child, the same way the engine will (the same load choice, a KV
+stream per sequence, no flash attention, eight sequences in one batch); if the child dies of
+a signal, the run stops before it writes anything, with what crashed, the build, the CPU
+and the command that fixes it. A check that passed is remembered (keyed by the native
+library's files, the model file and the interpreter), so a rerun on the same install costs
+nothing.
 
 Run as `python -m runner.engines.llama_cpp.selfcheck --model PATH [--measure]`: the child
 prints one JSON line per stage (import, load, decode, ok); the parent reads the last one.
@@ -191,8 +192,10 @@ def _child(model: Path, threads: int, measure: bool) -> None:
     _say(stage="load", version=llama_cpp.__version__, system_info=info, load=choice.why)
     m = native.load_model(model, choice)
     cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, 512, 512, 8
-    cp.kv_unified = True
+    # as the engine builds its context: a KV stream per sequence, no flash attention
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8 * 256, 512, 512, 8
+    cp.kv_unified = False
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.n_threads = cp.n_threads_batch = threads
     ctx = llama_cpp.llama_init_from_model(m, cp)
     if not ctx:
@@ -207,8 +210,8 @@ def _child(model: Path, threads: int, measure: bool) -> None:
     prefill = n_prompt / (time.perf_counter() - t0)
     # the shape every engine step has: several sequences, one token each, in one batch
     mem = llama_cpp.llama_get_memory(ctx)
-    for s in range(1, 8):
-        llama_cpp.llama_memory_seq_cp(mem, 0, s, 0, n_prompt)
+    for s in range(1, 8):  # between streams llama.cpp copies whole streams
+        llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
     steps = 16 if measure else 2
     t0 = time.perf_counter()
     for k in range(steps):

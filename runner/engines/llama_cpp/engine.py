@@ -71,6 +71,15 @@ TOP_GRAMMAR = 256
 SHARE_WAIT = 32
 
 
+def _penalized(options: dict[str, Any]) -> bool:
+    """Whether the sampler options ask for penalties (the chain then keeps a history)."""
+    return bool(
+        options["repeat_penalty"] != 1.0
+        or options["frequency_penalty"]
+        or options["presence_penalty"]
+    )
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """K and V, f16, every layer: 2 * 2 bytes * n_layer * n_head_kv * head_dim."""
     import llama_cpp
@@ -604,9 +613,7 @@ class LlamaCppEngine:
         """The request's chain (Llama.generate's order, the grammar taken out) and its
         grammar sampler (None without a schema)."""
         lc = self._lc
-        x = {"top_k": 40 if sp.temperature else 1, "min_p": 0.0, "typical_p": 1.0,
-             "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-             "penalty_last_n": 64, **self._sampling_extra}  # fmt: skip
+        x = self._options(sp)
         grammar = None
         if sp.tool_call_schema:
             grammar = lc.llama_sampler_init_grammar(
@@ -615,7 +622,7 @@ class LlamaCppEngine:
             if not grammar:
                 raise EngineError("llama.cpp could not compile the tool-call grammar")
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        if x["repeat_penalty"] != 1.0 or x["frequency_penalty"] or x["presence_penalty"]:
+        if _penalized(x):
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
                 x["penalty_last_n"], x["repeat_penalty"], x["frequency_penalty"],
                 x["presence_penalty"]))  # fmt: skip
@@ -629,6 +636,12 @@ class LlamaCppEngine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sp.temperature))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(sp.seed & 0xFFFFFFFF))
         return chain, grammar
+
+    def _options(self, sp: SamplingParams) -> dict[str, Any]:
+        """Llama.generate's sampler options for `sp`: its defaults, then --sampling-arg."""
+        return {"top_k": 40 if sp.temperature else 1, "min_p": 0.0, "typical_p": 1.0,
+                "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                "penalty_last_n": 64, **self._sampling_extra}  # fmt: skip
 
     def _grammar(self, schema: str) -> bytes:
         """The reply as exactly `<tool_call>{...}</tool_call>` with the object matching the
@@ -648,31 +661,29 @@ class LlamaCppEngine:
         draw (the chain keeps the top_k highest, and every valid token outside that set
         is lower than all inside). None where the chain could lift a lower token (penalties)
         or keeps more (top_k 0 or above TOP_GRAMMAR)."""
-        x = {"top_k": 40, "repeat_penalty": 1.0, "frequency_penalty": 0.0,
-             "presence_penalty": 0.0, **self._sampling_extra}  # fmt: skip
-        if x["repeat_penalty"] != 1.0 or x["frequency_penalty"] or x["presence_penalty"]:
+        x = self._options(sp)
+        if _penalized(x):
             return None
         if sp.temperature <= 0.0:
             return 1
         k = int(x["top_k"])
         return k if 0 < k <= TOP_GRAMMAR else None
 
-    def _draw(self, chain: Any, logits: Any, grammar: Any = None, ids: Any = None) -> int:
-        """Apply `grammar` (if any) then `chain` to the candidates (the whole vocabulary, or
-        the token ids `ids`); the token drawn, or -1 if too few were valid (see _enough)."""
-        lc, n = self._lc, self._n_vocab if ids is None else len(ids)
-        cand = self._cand[:n]
-        if ids is None:
-            cand["id"] = self._ids
-            cand["logit"] = logits
-        else:
-            cand["id"] = ids
-            cand["logit"] = logits[ids]
+    def _candidates(self, logits: Any, ids: Any = None) -> Any:
+        """A llama_token_data_array over the engine's buffer: the whole vocabulary in id
+        order, or the token ids `ids` in their order."""
+        cand = self._cand[: self._n_vocab if ids is None else len(ids)]
+        cand["id"] = self._ids if ids is None else ids
+        cand["logit"] = logits if ids is None else logits[ids]
         cand["p"] = 0.0
-        arr = lc.llama_token_data_array(self._cand_p, n, -1, False)
+        return self._lc.llama_token_data_array(self._cand_p, len(cand), -1, False)
+
+    def _draw(self, chain: Any, logits: Any, grammar: Any = None) -> int:
+        """Apply `grammar` (if any) then `chain` to the whole vocabulary; the token drawn."""
+        arr = self._candidates(logits)
         if grammar is not None:
-            lc.llama_sampler_apply(grammar, ctypes.byref(arr))
-        lc.llama_sampler_apply(chain, ctypes.byref(arr))
+            self._lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        self._lc.llama_sampler_apply(chain, ctypes.byref(arr))
         return int(arr.data[arr.selected].id)
 
     def _redraw(self, r: _Request, logits: Any) -> int:
@@ -683,13 +694,9 @@ class LlamaCppEngine:
         if r.enough is not None:
             top = np.argpartition(logits, -TOP_GRAMMAR)[-TOP_GRAMMAR:].astype(np.int32)
             top = top[np.lexsort((top, -logits[top]))]  # highest first; ties: the lower id
-            cand = self._cand[:TOP_GRAMMAR]
-            cand["id"] = top
-            cand["logit"] = logits[top]
-            cand["p"] = 0.0
-            arr = self._lc.llama_token_data_array(self._cand_p, TOP_GRAMMAR, -1, False)
+            arr = self._candidates(logits, top)
             self._lc.llama_sampler_apply(r.grammar, ctypes.byref(arr))
-            if int(np.isfinite(cand["logit"]).sum()) >= r.enough:
+            if int(np.isfinite(self._cand["logit"][:TOP_GRAMMAR]).sum()) >= r.enough:
                 self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
                 return int(arr.data[arr.selected].id)
         return self._draw(r.sampler, logits, r.grammar)

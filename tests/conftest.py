@@ -93,10 +93,11 @@ def sb() -> BwrapSandbox:
 
 def _hidden_dirs() -> dict[Path, set[Path]]:
     """Directories other users cannot enter -> their children that hold what another user's
-    process needs here: this interpreter (pyenv under /root, mode 0700) and the checkout (a
-    clone under a mktemp folder, mode 0700)."""
+    process needs here: this interpreter (pyenv under /root, mode 0700; in a venv, also the
+    base interpreter its python links to) and the checkout (a clone under a mktemp folder,
+    mode 0700)."""
     hidden: dict[Path, set[Path]] = {}
-    for need in (Path(sys.prefix).resolve(), ROOT):
+    for need in (Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), ROOT):
         for parent in reversed(need.parents):  # "/" first
             if not os.stat(parent).st_mode & 0o001:
                 hidden.setdefault(parent, set()).add(parent / need.relative_to(parent).parts[0])

@@ -120,7 +120,8 @@ async def engine(b: int, prompt: int, gen: int, threads: int, grammar: bool) -> 
     return {"decode_tok_s": round(n / wall, 1), "wall_s": round(wall, 3),
             "prefill_tok_s": round(b * prompt / fill, 1),
             "steps": st["steps"] - before["steps"], "ubatches": st["ubatches"] - before["ubatches"],
-            "grammar_resamples": st["grammar_resamples"]}  # fmt: skip
+            "grammar_resamples": st["grammar_resamples"],
+            "grammar_passes": st["grammar_passes"]}  # fmt: skip
 
 
 def fresh(kind: str, args: list) -> dict:
@@ -193,8 +194,8 @@ def batch(name: str, engine_kind: str, argv: list[str], tmp: Path) -> dict:
         "gate": {k: s["gate"].get(k) for k in ("policy", "window", "pauses", "resumes")},
     }  # fmt: skip
     for k in ("evictions", "evicted_cells", "preemptions", "recomputed_tokens",
-              "copied_tokens", "grammar_resamples", "pool_tokens", "max_seqs", "ubatches",
-              "steps"):  # fmt: skip
+              "copied_tokens", "grammar_resamples", "grammar_passes", "pool_tokens", "max_seqs",
+              "ubatches", "steps"):  # fmt: skip
         if k in st:
             row[f"engine_{k}"] = st[k]
     print(json.dumps(row), flush=True)

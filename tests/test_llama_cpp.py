@@ -200,6 +200,86 @@ async def test_a_grammar_redraw_over_the_top_logits_equals_one_over_the_whole_vo
 
 
 @pytest.mark.slow
+async def test_the_grammar_mask_is_the_whole_vocabulary_pass_and_depends_on_the_text_only():
+    """The engine's valid-token mask (byte tokens first, then the tokens they allow) equals
+    the grammar over the whole vocabulary at every state of a walk through a call, through
+    fixed text, a non-ASCII string and its split UTF-8 bytes; and two spellings of one text
+    (one token each, or one byte each) reach states with the same mask, so masks are kept
+    by the accepted bytes."""
+    import ctypes
+    import random
+
+    import numpy as np
+
+    e = _engine()
+    lc = e._lc
+    schema = json.dumps({"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string", "enum": ["bash"]},
+        "arguments": {"type": "object", "required": ["command"], "properties": {
+            "command": {"type": "string"}}}}})  # fmt: skip
+    vocab = lc.llama_model_get_vocab(e._model)
+
+    def grammar():
+        return lc.llama_sampler_init_grammar(vocab, e._grammar(schema), b"root")
+
+    def whole(g):
+        arr = e._candidates(e._zeros)
+        lc.llama_sampler_apply(g, ctypes.byref(arr))
+        return np.isfinite(e._cand["logit"]).copy()
+
+    try:
+        rng = random.Random(7)
+        g = grammar()
+        e._valid(g)  # reads the vocabulary's first bytes
+        said, non_ascii, split = b"", 0, 0
+
+        def step(tok):
+            nonlocal said, split
+            try:
+                said.decode()
+            except UnicodeDecodeError:
+                split += 1  # a character's bytes not all accepted yet
+            mask = e._valid(g)
+            assert (mask == whole(g)).all(), said
+            assert mask[tok], (said, tok)
+            lc.llama_sampler_accept(g, tok)
+            said += e.tokenizer.piece(tok)
+
+        for t in e.tokenizer.encode('<tool_call>{"name": "bash", "arguments": {"command": "'):
+            step(t)
+        for _ in range(40):  # inside the string: half the tokens non-ASCII, none ending it
+            valid = [int(t) for t in np.flatnonzero(e._valid(g) & ~e._eog)
+                     if b'"' not in e.tokenizer.piece(int(t))]  # fmt: skip
+            wide = [t for t in valid if max(e.tokenizer.piece(t)) >= 0x80]
+            tok = rng.choice(wide) if rng.random() < 0.5 else rng.choice(valid)
+            non_ascii += tok in wide
+            step(tok)
+        for t in e.tokenizer.encode('"}}</tool_call>'):
+            step(t)
+        assert e._valid(g).sum() == e._eog.sum()  # the call is complete: only the end
+        assert non_ascii >= 15 and split >= 3, (split, said)
+        lc.llama_sampler_free(g)
+
+        text = '<tool_call>{"name": "bash", "arguments": {"command": "ls été'
+        whole_tokens = e.tokenizer.encode(text)
+        by_byte = {e.tokenizer.piece(t): t for t in range(e.tokenizer.n_vocab)
+                   if len(e.tokenizer.piece(t)) == 1}  # fmt: skip
+        one_byte = [by_byte[bytes([b])] for b in text.encode()]
+        assert len(whole_tokens) < len(one_byte)
+        ends = []
+        for toks in (whole_tokens, one_byte):
+            g = grammar()
+            for t in toks:
+                assert e._valid(g)[t]
+                lc.llama_sampler_accept(g, t)
+            ends.append(e._valid(g))
+            lc.llama_sampler_free(g)
+        assert (ends[0] == ends[1]).all() and 100 < ends[0].sum() < e.tokenizer.n_vocab
+    finally:
+        await e.aclose()
+
+
+@pytest.mark.slow
 async def test_logprobs_are_the_raw_logits_of_each_sampled_position():
     e = _engine()
     try:

@@ -29,7 +29,10 @@ Sampling per request is llama.cpp's own sampler chain, built as llama-cpp-python
 temperature and a seeded draw). The tool-call grammar is checked lazily, as llama.cpp's
 own `common_sampler` does: the chain samples from the free logits, the grammar checks that
 one token, and only a rejected token is sampled again with the grammar over the whole
-vocabulary (greedy: the same token as grammar-first; a draw: the same distribution).
+vocabulary (greedy: the same token as grammar-first; a draw: the same distribution). The
+valid tokens after a given accepted sequence are kept, so the forced text of a call (its
+`<tool_call>{"name": "` opening, which every agent writes every turn) costs one pass over
+the vocabulary per state, not one per request.
 Log-probabilities are the raw logits' log-softmax at the row that produced each token
 (before penalties, grammar and temperature), as before.
 """
@@ -44,6 +47,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,8 @@ RATIO_START, RATIO_MIN, RATIO_DECAY = 0.7, 0.1, 0.001
 CLIP_MAX_NEW = 4096
 # a grammar redraw looks at the highest logits first (_redraw)
 TOP_GRAMMAR = 256
+# valid-token masks kept for grammar states seen before (_redraw), 48 KB each for SmolLM2
+GRAMMAR_MASKS = 256
 # a waiting request whose prompt shares this many more tokens with one still prefilling waits
 # for it, then shares its cells
 SHARE_WAIT = 32
@@ -126,6 +132,7 @@ class _Request:
     enough: int | None = None
     cancelled: bool = False
     text: bytes = b""
+    said: bytes = b""  # the bytes the grammar accepted: its state is a function of them
 
     def context(self) -> list[int]:
         """What the slot must hold before the next sampled token: the prompt, then every
@@ -218,6 +225,9 @@ class LlamaCppEngine:
         self._cand = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._cand_p = self._cand.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
         self._one = (llama_cpp.llama_token_data * 1)()
+        # (schema, accepted bytes) -> the grammar's valid tokens there, least recently used first
+        self._masks: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
+        self._lead: Any = None  # each token's first byte, read at the first grammar pass
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
@@ -226,7 +236,7 @@ class LlamaCppEngine:
         self._stats: dict[str, Any] = dict.fromkeys(
             ("steps", "ubatches", "decode_tokens", "prefill_tokens", "cached_tokens",
              "copied_tokens", "recomputed_tokens", "evictions", "evicted_cells", "preemptions",
-             "requests", "grammar_resamples", "busy_seconds"), 0,
+             "requests", "grammar_resamples", "grammar_passes", "busy_seconds"), 0,
         )  # fmt: skip
         self._snapshot = self._read_cache()
         self._closing = threading.Event()
@@ -678,19 +688,30 @@ class LlamaCppEngine:
         cand["p"] = 0.0
         return self._lc.llama_token_data_array(self._cand_p, len(cand), -1, False)
 
-    def _draw(self, chain: Any, logits: Any, grammar: Any = None) -> int:
-        """Apply `grammar` (if any) then `chain` to the whole vocabulary; the token drawn."""
+    def _draw(self, chain: Any, logits: Any) -> int:
+        """Apply `chain` to the whole vocabulary; the token drawn."""
         arr = self._candidates(logits)
-        if grammar is not None:
-            self._lc.llama_sampler_apply(grammar, ctypes.byref(arr))
         self._lc.llama_sampler_apply(chain, ctypes.byref(arr))
         return int(arr.data[arr.selected].id)
 
     def _redraw(self, r: _Request, logits: Any) -> int:
-        """The token drawn with the grammar: over the TOP_GRAMMAR highest logits when enough
-        of them are valid (exact, see _enough; the grammar over the whole vocabulary costs
-        ~3.6 ms), else over the whole vocabulary."""
+        """The token drawn with the grammar, the same as the chain over the whole vocabulary
+        with the grammar applied first, by the cheapest exact way: the valid tokens kept for
+        this grammar state; the TOP_GRAMMAR highest logits when enough of them are valid
+        (see _enough); else the grammar's valid set read anew (_valid) and kept. The grammar only sets rejected
+        logits to -inf, and its state is a function of the tokens it accepted, so a kept mask
+        gives the very array that pass would. That state is the parse of the bytes accepted
+        (llama.cpp feeds a token's text to it code point by code point, a split UTF-8
+        sequence carried over), so it is keyed by them: two spellings of one text share it."""
         np = self._np
+        key = (r.sp.tool_call_schema or "", r.said)
+        mask = self._masks.get(key)
+        if mask is not None:
+            self._masks.move_to_end(key)
+            arr = self._candidates(logits)
+            self._cand["logit"][~mask] = -np.inf
+            self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
+            return int(arr.data[arr.selected].id)
         if r.enough is not None:
             top = np.argpartition(logits, -TOP_GRAMMAR)[-TOP_GRAMMAR:].astype(np.int32)
             top = top[np.lexsort((top, -logits[top]))]  # highest first; ties: the lower id
@@ -699,7 +720,51 @@ class LlamaCppEngine:
             if int(np.isfinite(self._cand["logit"][:TOP_GRAMMAR]).sum()) >= r.enough:
                 self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
                 return int(arr.data[arr.selected].id)
-        return self._draw(r.sampler, logits, r.grammar)
+        mask = self._valid(r.grammar)
+        self._masks[key] = mask
+        if len(self._masks) > GRAMMAR_MASKS:
+            self._masks.popitem(last=False)
+        arr = self._candidates(logits)
+        self._cand["logit"][~mask] = -np.inf
+        self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
+        return int(arr.data[arr.selected].id)
+
+    def _valid(self, grammar: Any) -> Any:
+        """The tokens `grammar` accepts next, as a mask over the vocabulary. A token is valid
+        only if a token of its first byte alone is (the grammar accepts a token when some
+        parse survives all its bytes, so also its first; a UTF-8 lead byte alone is accepted
+        when some character it begins is), so the grammar checks the byte tokens first,
+        then only the tokens that begin with an accepted byte: in a call's fixed text a few
+        hundred tokens, not the whole vocabulary."""
+        np = self._np
+        if self._lead is None:
+            pieces = [self._tok.piece(t) for t in range(self._n_vocab)]
+            # 256: an empty piece, which the grammar always rejects
+            self._lead = np.array([q[0] if q else 256 for q in pieces], dtype=np.int16)
+            byte_tok: dict[int, int] = {}
+            for t, q in enumerate(pieces):
+                if len(q) == 1:
+                    byte_tok.setdefault(q[0], t)
+            self._byte_tok = (np.array(list(byte_tok), dtype=np.int16),
+                              np.array(list(byte_tok.values()), dtype=np.int32))  # fmt: skip
+            vocab = self._lc.llama_model_get_vocab(self._model)
+            self._eog = np.zeros(self._n_vocab, dtype=bool)
+            self._eog[[t for t in range(self._n_vocab) if self._lc.llama_vocab_is_eog(
+                vocab, t)]] = True  # fmt: skip
+            self._zeros = np.zeros(self._n_vocab, dtype=np.float32)
+        self._stats["grammar_passes"] += 1
+        first, probe = self._byte_tok
+        arr = self._candidates(self._zeros, probe)
+        self._lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        ok = np.ones(257, dtype=bool)  # a byte with no token of its own: not ruled out
+        ok[first] = np.isfinite(self._cand["logit"][: len(probe)])
+        ok[256] = False
+        maybe = np.flatnonzero(ok[self._lead] | self._eog).astype(np.int32)
+        arr = self._candidates(self._zeros, maybe)
+        self._lc.llama_sampler_apply(grammar, ctypes.byref(arr))
+        mask = np.zeros(self._n_vocab, dtype=bool)
+        mask[maybe[np.isfinite(self._cand["logit"][: len(maybe)])]] = True
+        return mask
 
     def _allowed(self, grammar: Any, tok: int) -> bool:
         one = self._one
@@ -724,6 +789,7 @@ class LlamaCppEngine:
                 self._stats["grammar_resamples"] += 1
                 tok = self._redraw(r, logits)
             lc.llama_sampler_accept(r.grammar, tok)
+            r.said += self._tok.piece(tok)
         if not accepted:
             lc.llama_sampler_accept(r.sampler, tok)
         if r.sp.logprobs:

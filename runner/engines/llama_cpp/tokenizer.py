@@ -76,6 +76,10 @@ class LlamaTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", "replace")
 
+    def piece(self, token_id: int) -> bytes:
+        """The token's bytes as llama.cpp's grammar reads them (special tokens rendered)."""
+        return self._piece(token_id, True)
+
     def token_text(self, token_id: int) -> str:
         self._check()
         return self._piece(token_id, True).decode("utf-8", "replace")

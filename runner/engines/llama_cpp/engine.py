@@ -698,11 +698,11 @@ class LlamaCppEngine:
         """The token drawn with the grammar, the same as the chain over the whole vocabulary
         with the grammar applied first, by the cheapest exact way: the valid tokens kept for
         this grammar state; the TOP_GRAMMAR highest logits when enough of them are valid
-        (see _enough); else the grammar's valid set read anew (_valid) and kept. The grammar only sets rejected
-        logits to -inf, and its state is a function of the tokens it accepted, so a kept mask
-        gives the very array that pass would. That state is the parse of the bytes accepted
-        (llama.cpp feeds a token's text to it code point by code point, a split UTF-8
-        sequence carried over), so it is keyed by them: two spellings of one text share it."""
+        (see _enough); else the grammar's valid set read anew (_valid) and kept. The grammar
+        only sets rejected logits to -inf, so a kept mask gives the very array it would. Its
+        state is the parse of the bytes it accepted (llama.cpp feeds a token's text to it
+        code point by code point, a split UTF-8 sequence carried over), so masks are kept by
+        those bytes: two spellings of one text share one."""
         np = self._np
         key = (r.sp.tool_call_schema or "", r.said)
         mask = self._masks.get(key)

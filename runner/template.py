@@ -11,12 +11,37 @@ template writes, for any template, without re-rendering (and re-tokenizing) the 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _MARK = "\x00CONCUR-MARK\x00"
+# chat templates shipped with the runner, by name (NAME.jinja): docs/outputs.md
+SHIPPED = Path(__file__).resolve().parent / "templates"
+
+
+def shipped(name: str) -> Path:
+    """The path of the shipped chat template `name`; ValueError naming those there are."""
+    path = SHIPPED / f"{name}.jinja"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.jinja")))
+        raise ValueError(f"no shipped chat template {name!r} (shipped: {names})")
+    return path
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`, transformers' mark of the assistant's text
+    (its assistant-token mask, TRL's assistant_only_loss): rendered as its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it so)
+
+    def parse(self, parser: Any) -> Any:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _raise(msg: str) -> None:
@@ -25,7 +50,9 @@ def _raise(msg: str) -> None:
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation]
+        )
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
             v, indent=indent, ensure_ascii=False
@@ -34,6 +61,8 @@ class ChatTemplate:
         self._tmpl = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
         self.supports_tools = "tools" in source
+        # transformers' assistant-token mask needs these marks (TRL's assistant_only_loss)
+        self.marks_generation = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
 
     def render(
         self,

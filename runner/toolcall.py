@@ -42,6 +42,12 @@ def format_call(name: str, arguments: dict[str, Any]) -> str:
     return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
 
 
+def prose(text: str) -> str:
+    """A reply without its tool-call block(s): the text a structured message keeps as
+    `content` beside its `tool_calls`."""
+    return _BLOCK.sub("", text).strip()
+
+
 def tools_prompt(function_schemas: list[dict[str, Any]]) -> str:
     """The system-prompt text describing the tools and the syntax (one schema per line)."""
     return _TOOLS_IN_PROMPT.format(schemas="\n".join(json.dumps(s) for s in function_schemas))

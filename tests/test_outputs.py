@@ -18,13 +18,14 @@ import pytest
 from runner.batch import Batch, BatchConfig
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.engines.replay import ReplayEngine, scripts_from_tasks
+from runner.export import SKYRL_FIELDS, VERL_FIELDS, VERL_METRICS
 from runner.export import main as export_main
 from runner.policies import NoGate
 from runner.records import features, schema
 from runner.sim.tools import NullSandbox
 from runner.store import RunStore
 from runner.tasks import expand_samples, validate
-from runner.template import ChatTemplate, turn_delta
+from runner.template import ChatTemplate, shipped, turn_delta
 from runner.toolcall import format_call
 
 from .conftest import ROOT, read_jsonl, run_cli, small_tasks, write_jsonl
@@ -324,12 +325,13 @@ def export(*args) -> int:
     return export_main([str(a) for a in args])
 
 
-@pytest.mark.parametrize("fmt", ["sft", "rl", "messages"])
+@pytest.mark.parametrize("fmt", ["sft", "sft-structured", "verl", "skyrl", "messages"])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ""])
 async def test_every_format_and_kind_loads_with_datasets(tmp_path, fmt, suffix):
     a, _ = await _runs(tmp_path)
     out = tmp_path / f"export{suffix}"
-    assert export(a, "--format", fmt, "--out", out) == 0
+    extra = ["--null-reward", "0"] if fmt in ("verl", "skyrl") else []
+    assert export(a, "--format", fmt, *extra, "--out", out) == 0
     if suffix == "":
         ds = datasets.load_from_disk(str(out))
     else:
@@ -338,18 +340,181 @@ async def test_every_format_and_kind_loads_with_datasets(tmp_path, fmt, suffix):
             kind, data_files=str(out), split="train", cache_dir=str(tmp_path / "c")
         )
     assert len(ds) == 2
-    row = ds[0]
-    if fmt == "rl":
-        assert row["response_mask"] == row["loss_mask"] and row["reward_score"] == row["reward"]
-        assert len(row["prompt_ids"]) > 0 and row["task"] in ("calls", "graded")
-    elif fmt == "sft":
+    # the row of the "calls" task (three steps), whichever agent finished first
+    task = {
+        "verl": lambda r: r["extra_fields"]["task"],
+        "skyrl": lambda r: r["trajectory_ids"]["instance_id"],
+        "messages": lambda r: r["task"],
+    }.get(fmt, lambda r: "calls" if r["messages"][1]["content"] == "list the files" else "")
+    row = next(r for r in ds if task(r) == "calls")
+    if fmt == "verl":
+        assert set(row) == set(VERL_FIELDS) and row["num_turns"] == 1 + 2 * 3 - 1
+        assert row["metrics"]["num_preempted"] == -1 and row["extra_fields"]["task"] == "calls"
+        other = next(r for r in ds if r["extra_fields"]["task"] == "graded")
+        assert other["reward_score"] == 0.0  # the null reward, mapped by --null-reward 0
+    elif fmt == "skyrl":
+        assert set(row) == set(SKYRL_FIELDS) and row["stop_reasons"] == "stop"
+        assert row["trajectory_ids"] == {"instance_id": "calls", "repetition_id": 0}
+        assert row["is_last_step"] is True and isinstance(row["rewards"], float)
+    elif fmt in ("sft", "sft-structured"):
         assert set(row) == {"messages", "tools"}
-        tools = row["tools"] if suffix == ".jsonl" else json.loads(row["tools"])
-        assert [t["function"]["name"] for t in tools] == ["bash", "submit"]
-        assert all(m["tool_calls"] is None for m in row["messages"] if m["role"] == "assistant")
+        # tools stay a list of the schemas as they are: no keys merged in from other tools
+        assert [t["function"]["name"] for t in row["tools"]] == ["bash", "submit"]
+        assert row["tools"] == json.loads(read_jsonl(a / "trajectories.jsonl")[0]["tools"])
+        said = [m for m in row["messages"] if m["role"] == "assistant"]
+        if fmt == "sft":
+            assert all(m["tool_calls"] is None for m in said)
+        else:
+            assert said[0]["content"] == "Let me look."
+            assert said[0]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
+            assert said[2]["tool_calls"][0]["function"]["arguments"] == {"answer": "ok"}
     else:
         assert row["messages"][2]["tool_calls"][0]["function"]["name"] in ("bash", "submit")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export-")] == []
+
+
+async def test_structured_sft_writes_each_call_once_and_raw_sft_renders_what_the_model_saw(
+    tmp_path,
+):
+    """sft-structured: the call's text out of the content, in tool_calls with object
+    arguments; rendered by a tools template each call appears once. sft (raw) rendered by
+    the shipped chatml-tools template is the text the engine saw, for a template without
+    tools support (the replay's ChatML, like SmolLM2's), and the template marks exactly the
+    assistant's turns."""
+    out = tmp_path / "run"
+    tok = await run_batch(out, TASKS)  # ChatML without tools: the runner's SmolLM2 path
+    raw, structured = tmp_path / "raw.jsonl", tmp_path / "structured.jsonl"
+    assert export(out, "--format", "sft", "--out", raw, "--chat-template", "chatml-tools") == 0
+    assert export(out, "--format", "sft-structured", "--out", structured) == 0
+    shipped_text = shipped("chatml-tools").read_text()
+    assert (tmp_path / "raw.chat_template.jinja").read_text() == shipped_text
+    tmpl = ChatTemplate(shipped_text)
+    assert tmpl.marks_generation and tmpl.supports_tools
+    rolls = by_id(out / "rollouts.jsonl")
+    trajs = read_jsonl(out / "trajectories.jsonl")
+    for row, srow, traj in zip(read_jsonl(raw), read_jsonl(structured), trajs, strict=True):
+        roll = rolls[traj["task_id"]]
+        seen = "".join(tok.token_text(i) for i in roll["prompt_ids"] + roll["response_ids"])
+        text = tmpl.render(row["messages"], row["tools"], add_generation_prompt=False)
+        assert text == seen + "<|im_end|>\n"  # the engine never had to see the last close
+        for m, sm in zip(row["messages"], srow["messages"], strict=True):
+            if m["role"] != "assistant" or not sm["tool_calls"]:
+                assert sm == m
+                continue
+            call = sm["tool_calls"][0]["function"]
+            assert isinstance(call["arguments"], dict) and "<tool_call>" not in sm["content"]
+            assert call["name"] in m["content"] and sm["content"] in m["content"]
+        # each call rendered once: in the assistant's text, from tool_calls alone
+        spans = assistant_spans(tmpl, srow)
+        calls = [m["tool_calls"] for m in srow["messages"] if m["role"] == "assistant"]
+        assert [x.count("<tool_call>") for x in spans] == [len(c or []) for c in calls]
+        # the marks enclose exactly the assistant turns' text
+        said = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert assistant_spans(tmpl, row) == [c + "<|im_end|>" for c in said]
+
+
+def assistant_spans(tmpl: ChatTemplate, row: dict) -> list[str]:
+    """What the template's {% generation %} marks enclose, rendering `row`."""
+    marked = tmpl.source.replace("{%- generation %}", "{{- '[[' }}").replace(
+        "{%- endgeneration %}", "{{- ']]' }}"
+    )
+    text = ChatTemplate(marked).render(row["messages"], row["tools"], False)
+    return [x.split("]]")[0] for x in text.split("[[")[1:]]
+
+
+async def test_a_chat_template_without_generation_marks_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    await run_batch(out, TASKS)
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(TOOL_TEMPLATE)
+    for name, msg in ((str(plain), "no {% generation %} marks"),
+                      ("nope", "no shipped chat template 'nope'")):  # fmt: skip
+        dest = tmp_path / "x.jsonl"
+        assert export(out, "--format", "sft", "--out", dest, "--chat-template", name) == 1
+        assert msg in capsys.readouterr().err and not dest.exists()
+    assert export(out, "--format", "verl", "--chat-template", "chatml-tools", "--out", dest) == 1
+    assert "--chat-template is for --format sft" in capsys.readouterr().err
+
+
+async def test_rl_rows_per_trainer_per_step_and_null_rewards(tmp_path, capsys):
+    """verl rows carry AgentLoopOutput's fields and SkyRL rows GeneratorOutput's, with the
+    types each declares (VERL_FIELDS, SKYRL_FIELDS: the consumer check in bench/ holds them
+    against the released classes); --per-step cuts each rollout at its steps; a null reward
+    is an error unless mapped."""
+    out = tmp_path / "run"  # calls: eval fails, reward 0.0; graded: its command fails, null
+    await run_batch(out, [{**t, "eval": "true"} for t in TASKS])
+    rolls = by_id(out / "rollouts.jsonl")
+    dest = tmp_path / "v.jsonl"
+    assert export(out, "--format", "verl", "--out", dest) == 1
+    err = capsys.readouterr().err
+    assert "agent 'graded' has no reward" in err and "--null-reward" in err and not dest.exists()
+    assert export(out, "--format", "skyrl", "--null-reward", "keep", "--out", dest) == 1
+    assert "SkyRL's rewards are floats" in capsys.readouterr().err
+    assert export(out, "--format", "verl", "--per-step", "--out", tmp_path / "x.jsonl",
+                  "--null-reward", "maybe") == 1  # fmt: skip
+    assert "--null-reward maybe" in capsys.readouterr().err
+
+    def rows(fmt, *args):
+        path = tmp_path / f"{fmt}{len(args)}{'-'.join(args)}.jsonl"
+        assert export(out, "--format", fmt, *args, "--out", path) == 0
+        return read_jsonl(path)
+
+    verl = rows("verl", "--null-reward", "drop")
+    assert [r["extra_fields"]["task_id"] for r in verl] == ["calls"]  # graded dropped
+    kept = rows("verl", "--null-reward", "keep")
+    got = {r["extra_fields"]["task_id"]: r["reward_score"] for r in kept}
+    assert got == {"calls": 0.0, "graded": None}
+    for r in kept:
+        assert_types(r, VERL_FIELDS)
+        roll = rolls[r["extra_fields"]["task_id"]]
+        assert r["prompt_ids"] == roll["prompt_ids"] and r["response_ids"] == roll["response_ids"]
+        assert r["response_mask"] == roll["response_mask"]
+        assert set(r["metrics"]) == set(VERL_METRICS)
+    sky = rows("skyrl", "--null-reward", "0.5")
+    for r in sky:
+        assert_types(r, SKYRL_FIELDS)
+        roll = rolls[r["env_metrics"]["task_id"]]
+        assert r["loss_masks"] == roll["response_mask"]
+        assert r["rewards"] == (0.5 if roll["reward"] is None else roll["reward"])
+    steps = rows("skyrl", "--per-step", "--null-reward", "1")
+    calls = [r for r in steps if r["env_metrics"]["task_id"] == "calls"]
+    roll = rolls["calls"]
+    assert len(calls) == len(roll["steps"]) == 3
+    assert [r["is_last_step"] for r in calls] == [False, False, True]
+    for r, st in zip(calls, roll["steps"], strict=True):
+        assert_types(r, SKYRL_FIELDS)
+        a, b, c = st["output_start"], st["output_end"], st["observation_end"]
+        full = roll["prompt_ids"] + roll["response_ids"]
+        assert r["prompt_token_ids"] == full[: len(roll["prompt_ids"]) + a]
+        assert r["response_ids"] == roll["response_ids"][a:c]
+        assert r["loss_masks"] == [1] * (b - a) + [0] * (c - b)
+        assert len(r["rewards"]) == c - a
+    assert all(x == 0.0 for r in calls for x in r["rewards"])  # calls' reward is 0.0
+    *before, last = [r for r in steps if r["env_metrics"]["task_id"] == "graded"]  # null -> 1
+    assert last["is_last_step"] and last["rewards"][-1] == 1.0 == sum(last["rewards"])
+    assert all(x == 0.0 for r in before for x in r["rewards"])
+    vsteps = rows("verl", "--per-step", "--null-reward", "1")
+    assert [r["num_turns"] for r in vsteps if r["extra_fields"]["task_id"] == "calls"] == [
+        3, 5, 6]  # fmt: skip
+    # a batch of skyrl rows, column by column, is SkyRL's GeneratorOutput
+    batch = {k: [r[k] for r in steps] for k in SKYRL_FIELDS}
+    assert len({len(v) for v in batch.values()}) == 1
+
+
+def assert_types(row: dict, spec: dict[str, str]) -> None:
+    """Each field of `spec` present with a value of its declared type."""
+    one = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)}
+
+    def ok(v, t: str) -> bool:
+        if t.startswith("list["):
+            return isinstance(v, list) and all(ok(x, t[5:-1]) for x in v)
+        if t == "float" and isinstance(v, int) and not isinstance(v, bool):
+            return False
+        return isinstance(v, one[t]) and not (t == "int" and isinstance(v, bool))
+
+    assert set(row) == set(spec), set(row) ^ set(spec)
+    for k, t in spec.items():
+        assert any(ok(row[k], alt.strip()) for alt in t.split("|")), (k, t, row[k])
 
 
 async def test_filters_select_and_an_empty_selection_is_an_error(tmp_path, capsys):
@@ -366,8 +531,8 @@ async def test_filters_select_and_an_empty_selection_is_an_error(tmp_path, capsy
         assert export(a, "--format", "sft", *args, "--out", none) == 1
         assert "matches no trajectory" in capsys.readouterr().err and not none.exists()
     low = tmp_path / "low.jsonl"  # the failed eval's 0.0 passes, the null reward does not
-    assert export(a, "--format", "rl", "--min-reward", "0", "--out", low) == 0
-    assert [r["task_id"] for r in read_jsonl(low)] == ["calls"]
+    assert export(a, "--format", "verl", "--min-reward", "0", "--out", low) == 0
+    assert [r["extra_fields"]["task_id"] for r in read_jsonl(low)] == ["calls"]
     # solved after a re-score: the filter reads the new eval
     store = RunStore(a)
     store.rewrite_trajectories(
@@ -387,7 +552,10 @@ async def test_bad_input_is_a_clear_error_and_nothing_is_written(tmp_path, capsy
     a, b = await _runs(tmp_path)
     cases = [
         ([tmp_path / "missing", "--format", "sft"], "no such run folder"),
-        ([a, b, "--format", "rl"], "rollouts.jsonl does not exist"),
+        ([a, b, "--format", "skyrl"], "rollouts.jsonl does not exist"),
+        ([a, "--format", "rl"], "--format verl"),
+        ([a, "--format", "dpo"], "--format dpo: unknown"),
+        ([a, "--format", "sft", "--per-step"], "--per-step is for --format verl"),
     ]
     for args, msg in cases:
         out = tmp_path / "x.jsonl"
@@ -404,9 +572,6 @@ async def test_bad_input_is_a_clear_error_and_nothing_is_written(tmp_path, capsy
     exists.write_text("keep me")
     assert export(a, "--format", "sft", "--out", exists) == 1
     assert "already exists" in capsys.readouterr().err and exists.read_text() == "keep me"
-    with pytest.raises(SystemExit) as e:
-        export(a, "--format", "dpo", "--out", tmp_path / "d.jsonl")
-    assert e.value.code == 2 and "invalid choice: 'dpo'" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export-")] == []
 
 

@@ -111,7 +111,7 @@ def main() -> None:
             for fmt, suffix in (
                 ("sft", ".jsonl"),
                 ("sft", ".parquet"),
-                ("rl", ".parquet"),
+                ("verl", ".parquet"),
                 ("messages", ""),
             ):
                 out = work / f"out-{n}-{fmt}{suffix or '-dataset'}"
@@ -125,14 +125,14 @@ def main() -> None:
                     f"peak RSS {rss:7.1f} MiB, {secs:6.1f} s",
                     flush=True,
                 )
-                if fmt == "rl":
-                    size["rl.parquet"] = out.stat().st_size
+                if fmt == "verl":
+                    size["verl.parquet"] = out.stat().st_size
                 shutil.rmtree(out) if out.is_dir() else out.unlink()
             results["runs"][str(n)] = {
                 "tokens": tokens,
                 "bytes": size,
                 "rollouts_jsonl_bytes_per_1k_tokens": round(size["rollouts.jsonl"] / tokens * 1000),
-                "rl_parquet_bytes_per_1k_tokens": round(size["rl.parquet"] / tokens * 1000),
+                "verl_parquet_bytes_per_1k_tokens": round(size["verl.parquet"] / tokens * 1000),
                 "exports": rows,
             }
             print(json.dumps(results["runs"][str(n)], indent=1), flush=True)

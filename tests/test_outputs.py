@@ -4,6 +4,7 @@ In-process batches on the replay engine with the null sandbox cover the formats 
 export quickly; the CLI tests run real batches (bubblewrap; the llama.cpp one is slow)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -722,8 +723,55 @@ async def test_a_real_llama_cpp_run_has_exact_rollouts_with_logprobs(tmp_path, n
             n_generated = sum(rolls[tid]["response_mask"])
             assert n_generated == trajs[tid]["completion_tokens"]
             assert len(lps) == len(rolls[tid]["response_mask"])
+        check_exports_with_real_tokens(tmp_path, out, eng.tokenizer)
     finally:
         await eng.aclose()
+
+
+def check_exports_with_real_tokens(tmp_path: Path, run: Path, tok) -> None:
+    """Every exported RL row of a real run: its ids are in the model's vocabulary, decode to
+    the conversation as the model saw it (the raw sft row rendered by the shipped template,
+    from the record's messages), and have a logprob exactly where the mask is 1; per-step
+    rows tile the rollout."""
+    text_of = {}
+    sft = tmp_path / "sft.jsonl"
+    assert export(run, "--format", "sft", "--out", sft, "--chat-template", "chatml-tools") == 0
+    tmpl = ChatTemplate((tmp_path / "sft.chat_template.jinja").read_text())
+    for row, traj in zip(read_jsonl(sft), read_jsonl(run / "trajectories.jsonl"), strict=True):
+        text_of[traj["task_id"]] = tmpl.render(row["messages"], row["tools"], False)
+    rolls = by_id(run / "rollouts.jsonl")
+    opts = ["--null-reward", "0"]  # these tasks have no eval
+    for fmt, ids, resp, mask, lps, who in (
+        ("verl", "prompt_ids", "response_ids", "response_mask", "response_logprobs",
+         lambda r: r["extra_fields"]["task_id"]),
+        ("skyrl", "prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs",
+         lambda r: r["env_metrics"]["task_id"]),
+    ):  # fmt: skip
+        for per_step in ([], ["--per-step"]):
+            path = tmp_path / f"{fmt}{len(per_step)}.jsonl"
+            assert export(run, "--format", fmt, *opts, *per_step, "--out", path) == 0
+            rows = read_jsonl(path)
+            tiles: dict[str, list[int]] = {}
+            for r in rows:
+                tid = who(r)
+                seq = r[ids] + r[resp]
+                assert all(0 <= i < tok.n_vocab for i in seq)
+                assert len(r[mask]) == len(r[resp]) == len(r[lps])
+                for m, lp in zip(r[mask], r[lps], strict=True):
+                    assert (math.isfinite(lp) and lp <= 0.0) if m else (lp == 0.0)
+                assert sum(lp for m, lp in zip(r[mask], r[lps], strict=True) if m) < 0.0
+                text = "".join(tok.token_text(i) for i in seq)
+                assert text_of[tid].startswith(text)
+                if not per_step:
+                    assert text_of[tid][len(text) :] in ("", "<|im_end|>\n")
+                else:
+                    have = tiles.setdefault(tid, list(r[ids]))
+                    assert r[ids] == have  # the step's prompt: everything before it
+                    have += r[resp]
+            if per_step:
+                for tid, roll in rolls.items():
+                    assert tiles[tid] == roll["prompt_ids"] + roll["response_ids"]
+            assert {who(r) for r in rows} == set(rolls)
 
 
 async def test_the_report_reads_format_2_records(tmp_path):

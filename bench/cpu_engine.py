@@ -195,7 +195,7 @@ def batch(name: str, engine_kind: str, argv: list[str], tmp: Path) -> dict:
     }  # fmt: skip
     for k in ("evictions", "evicted_cells", "preemptions", "recomputed_tokens",
               "copied_tokens", "grammar_resamples", "grammar_passes", "pool_tokens", "max_seqs",
-              "ubatches", "steps"):  # fmt: skip
+              "ubatches", "steps", "prefill_tokens", "decode_tokens", "cached_tokens"):  # fmt: skip
         if k in st:
             row[f"engine_{k}"] = st[k]
     print(json.dumps(row), flush=True)

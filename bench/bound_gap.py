@@ -49,7 +49,7 @@ import bounds  # noqa: E402
 import paper  # noqa: E402
 import stress  # noqa: E402
 
-from runner.policies import make_policy  # noqa: E402
+from runner.policies.registry import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
 from runner.sim.oracle import _totals, longest_prompt, lower_bound, lower_bounds  # noqa: E402

@@ -30,8 +30,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.engine import SamplingParams  # noqa: E402
 from runner.engines.chatml_tokenizer import ChatMLTokenizer  # noqa: E402
+from runner.engines.protocol import SamplingParams  # noqa: E402
 from runner.sim.engine import CostModel, SimEngine, make_sim_engine  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
 from runner.sim.oracle import _totals, lower_bound  # noqa: E402

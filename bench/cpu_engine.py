@@ -43,9 +43,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.engine import SamplingParams  # noqa: E402
 from runner.engines.llama_cpp import LlamaCppEngine, default_model_path, native  # noqa: E402
 from runner.engines.llama_cpp.batch import NativeBatch  # noqa: E402
+from runner.engines.protocol import SamplingParams  # noqa: E402
 
 LONG_CALL = json.dumps({"type": "object", "required": ["name", "arguments"], "properties": {
     "name": {"type": "string", "enum": ["bash"]},

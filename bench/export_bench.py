@@ -1,7 +1,7 @@
 """Export memory and rollout size: `python bench/export_bench.py [--n 50000]`.
 
 Writes a synthetic run folder (format-2 trajectories and rollouts built with
-runner/records.py; SmolLM2-sized token ids, logprobs on generated tokens), then runs
+runner/runfolder/records.py; SmolLM2-sized token ids, logprobs on generated tokens), then runs
 `run.py export` for each format and output kind in a fresh process and reads its peak RSS;
 the same at n/10 shows whether memory grows with the run. Also the size of rollouts.jsonl
 per 1,000 tokens, against the same rows as Parquet (zstd). Results:
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.records import message, rollout_record, tool_call, trajectory  # noqa: E402
+from runner.runfolder.records import message, rollout_record, tool_call, trajectory  # noqa: E402
 
 VOCAB = 49152
 STEPS = 4
@@ -78,7 +78,7 @@ def synthetic_run(folder: Path, n: int, seed: int = 0) -> int:
 
 
 PEAK = (
-    "import resource, sys; sys.path.insert(0, {root!r}); from runner.export import main; "
+    "import resource, sys; sys.path.insert(0, {root!r}); from runner.runfolder.export import main; "
     "rc = main({argv!r}); "
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
 )

@@ -14,7 +14,7 @@ own code reading them (docs/outputs.md).
 
 Writes bench/results/export-consumers.json and .md. Not part of the test suite (minutes,
 and the environment is ~1 GB); tests/test_outputs.py checks the same field names and types
-(runner/export.py's VERL_FIELDS, SKYRL_FIELDS), which this holds against the releases.
+(runner/runfolder/export.py's VERL_FIELDS, SKYRL_FIELDS), which this holds against the releases.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.engines.llama_cpp import native  # noqa: E402
-from runner.export import SKYRL_SOURCE, VERL_SOURCE  # noqa: E402
-from runner.export import main as export  # noqa: E402
+from runner.runfolder.export import SKYRL_SOURCE, VERL_SOURCE  # noqa: E402
+from runner.runfolder.export import main as export  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "consumers"
 WHEELS = ("verl==0.9.1", "skyrl==0.3.0")  # the releases export.py's rows were read from

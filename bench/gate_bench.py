@@ -36,10 +36,12 @@ from typing import Any
 # where `runner` is imported from: this checkout, or a --baseline ref's copy
 sys.path.insert(0, os.environ.get("GATE_BENCH_CODE", str(Path(__file__).resolve().parents[1])))
 
-from runner.control import Controller
-from runner.engine import CacheStats, SamplingParams
-from runner.gate import Gate
-from runner.policies import AIMD, Signals, WorkingSet
+from runner.engines.protocol import CacheStats, SamplingParams
+from runner.gate.control import Controller
+from runner.gate.gate import Gate
+from runner.policies.aimd import AIMD
+from runner.policies.experimental.wset import WorkingSet
+from runner.policies.protocol import Signals
 from runner.sim.engine import CostModel
 from runner.sim.engine import deployment as sim_deployment
 
@@ -174,7 +176,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     one, and the clock moves 1 s. The break-even is 20 s: a holder half a second into a call
     is in a long one, and its KV is dropped from the fit."""
     try:
-        from runner.policies import WorkingSet2
+        from runner.policies.experimental.wset2 import WorkingSet2
     except ImportError:  # a --baseline before wset2: nothing to measure
         return {}
     rng, now = random.Random(2), [0.0]
@@ -246,7 +248,7 @@ async def wset2_dropping_periods(n: int, periods: int, warmup: int = 90) -> dict
     first `warmup` periods (untimed) bring the calls in flight and the kept durations to
     that steady state; the timed periods follow."""
     try:
-        from runner.policies import WorkingSet2
+        from runner.policies.experimental.wset2 import WorkingSet2
     except ImportError:  # a --baseline before wset2: nothing to measure
         return {}
     rng, now = random.Random(3), [0.0]
@@ -325,7 +327,7 @@ def _tool_signals(gate: Gate, break_even: float) -> tuple[Any, float]:
     """The gate's tool signals and the time from which wset2 drops a holder's KV: its view
     where the code has one (`Gate.tools`), the tuples of the code before it (a --baseline
     run: `Signals.held_tool_seconds` and `tool_durations`)."""
-    from runner.policies import _RemainingTime
+    from runner.policies.experimental.wset2 import _RemainingTime
 
     if hasattr(gate, "tools"):
         view = gate.tools()

@@ -42,7 +42,7 @@ def child(scenario: str, periods: int, skip: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gate_bench  # imports `runner` from GATE_BENCH_CODE
 
-    from runner.control import Controller
+    from runner.gate.control import Controller
 
     step, seen = Controller.step, [0]
 

@@ -41,8 +41,8 @@ import aiofiles.os
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.records import rollout_record, trajectory  # noqa: E402
-from runner.store import FORMAT_VERSION, RunStore  # noqa: E402
+from runner.runfolder.records import rollout_record, trajectory  # noqa: E402
+from runner.runfolder.store import FORMAT_VERSION, RunStore  # noqa: E402
 
 PROBE_S = 0.001
 PROMPT_TOKENS, RESPONSE_TOKENS = 1000, 1000  # one agent's rollout: 2,000 tokens

@@ -31,17 +31,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner import toolcall
-from runner.engine import (
+from runner.chat import toolcall
+from runner.chat.template import ChatTemplate
+from runner.engines.llama_cpp import native
+from runner.engines.llama_cpp.native import default_model_path
+from runner.engines.protocol import (
     CacheStats,
     ContextLimitExceeded,
     EngineError,
     Generation,
     SamplingParams,
 )
-from runner.engines.llama_cpp import native
-from runner.engines.llama_cpp.native import default_model_path
-from runner.template import ChatTemplate
 
 OWNED_GENERATE_KEYS = frozenset(
     {"tokens", "temp", "top_p", "reset", "grammar", "logits_processor", "stopping_criteria"}
@@ -115,7 +115,7 @@ class PrefixStateCache:
 
 class LlamaCppEngine:
     """Implements Engine, ConstrainedDecoding, TokenLogprobs and SamplingCheck
-    (runner/engine.py). `sampling_extra`: more Llama.generate keywords for every request
+    (runner/engines/protocol.py). `sampling_extra`: more Llama.generate keywords for every request
     (e.g. top_k, min_p, repeat_penalty, overriding the engine's own defaults)."""
 
     name = "llama.cpp"

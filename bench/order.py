@@ -5,7 +5,7 @@
 
 For every row, seed and system: pass 1 in the dataset's order (the run bench/paper.py and
 bench/stress.py record), then pass 2, the same batch with its tasks ordered longest first by
-pass 1's trajectories (runner/ordering.py: what `run.py ... --order-from <pass 1's folder>`
+pass 1's trajectories (runner/gate/ordering.py: what `run.py ... --order-from <pass 1's folder>`
 does; tests/test_ordering.py holds the CLI to this script's simulation of it), and, for the
 first system, the clairvoyant order for reference: longest first by each agent's own serial
 chain in the trace (the oracle's, runner/sim/oracle.py), which no run can know beforehand.
@@ -39,8 +39,8 @@ import bounds  # noqa: E402
 import paper  # noqa: E402
 import stress  # noqa: E402
 
-from runner.ordering import longest_first, previous_lengths  # noqa: E402
-from runner.policies import make_policy  # noqa: E402
+from runner.gate.ordering import longest_first, previous_lengths  # noqa: E402
+from runner.policies.registry import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
 from runner.sim.oracle import _totals, lower_bound  # noqa: E402

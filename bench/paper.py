@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.policies import make_policy  # noqa: E402
+from runner.policies.registry import make_policy  # noqa: E402
 from runner.sim.oracle import lower_bound, lower_bounds  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import PRESETS, synthetic  # noqa: E402

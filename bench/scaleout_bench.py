@@ -30,14 +30,14 @@ from typing import Any
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.batch import Batch, BatchConfig
+from runner.batch.batch import Batch, BatchConfig
 from runner.engines.replay import ReplayEngine, scripts_from_tasks
-from runner.policies import AgentCap
+from runner.policies.baselines import AgentCap
+from runner.runfolder.store import RunStore
 from runner.scaleout import driver
 from runner.scaleout.protocol import EngineBuild, WorkerSpec, worker_uid_base
 from runner.sim.tools import NullSandbox
-from runner.store import RunStore
-from runner.tasks import Task
+from runner.tasks.tasks import Task
 from tools.core import Observation, Tool, ToolContext
 from tools.submit import Submit
 

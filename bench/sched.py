@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import paper  # noqa: E402
 import stress  # noqa: E402
 
-from runner.gate import PAUSE_RULES, RESUME_RULES  # noqa: E402
+from runner.gate.gate import PAUSE_RULES, RESUME_RULES  # noqa: E402
 from runner.sim.oracle import lower_bound  # noqa: E402
 from runner.sim.workload import synthetic  # noqa: E402
 

@@ -27,14 +27,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.engine import SamplingParams  # noqa: E402
-from runner.engines.sglang import (  # noqa: E402
-    SGLangEngine,
-    parse_engine_args,
-    sglang_available,
-)
-from runner.template import turn_delta  # noqa: E402
-from runner.toolcall import ParseError, parse_tool_call  # noqa: E402
+from runner.chat.template import turn_delta  # noqa: E402
+from runner.chat.toolcall import ParseError, parse_tool_call  # noqa: E402
+from runner.engines.protocol import SamplingParams  # noqa: E402
+from runner.engines.sglang import SGLangEngine, parse_engine_args, sglang_available  # noqa: E402
 from tools.core import call_schema, schema  # noqa: E402
 from tools.registry import get_tools  # noqa: E402
 

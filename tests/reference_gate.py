@@ -1,4 +1,4 @@
-"""The gate as it was before its agents were kept in order (main at 13e7131, runner/gate.py):
+"""The gate as it was before its agents were kept in order (main at 13e7131, runner/gate/gate.py):
 `contexts()` and the pause / unmark orders computed by sorting every agent. Kept verbatim (the
 protocols and the module doc left out) as the reference that test_gate_order.py holds the
 incremental structure to: the same events in, the same decisions and contexts out. With the

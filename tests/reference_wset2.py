@@ -1,5 +1,5 @@
 """wset2's tool-call path as it was before the gate kept the holders' calls in order (main at
-87b21e9, runner/policies.py): the holders' seconds in a tool and the finished calls'
+87b21e9, runner/policies/protocol.py): the holders' seconds in a tool and the finished calls'
 durations as tuples rebuilt every period, the durations sorted and their mean excess scanned
 in Python, the dropped holders picked by a pass over every holder, and `_fit_dropping`
 walking the holders. Kept verbatim (as a function of the tuples) as the reference that
@@ -13,15 +13,9 @@ import bisect
 import itertools
 import math
 
-from runner.policies import (
-    Contexts,
-    Decision,
-    Signals,
-    WorkingSet2,
-    _aimd_fallback,
-    _capacity,
-    _cut_or_fit,
-)
+from runner.policies.protocol import Contexts, Decision, Signals
+from runner.policies.experimental.wset2 import WorkingSet2
+from runner.policies.experimental.fit import _aimd_fallback, _capacity, _cut_or_fit
 
 
 def update(

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from runner.batch import ENGINE_FAILURE_LIMIT, Batch, BatchConfig, EngineDead
-from runner.engine import CacheStats, EngineError
+from runner.batch.batch import ENGINE_FAILURE_LIMIT, Batch, BatchConfig, EngineDead
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
-from runner.policies import NoGate
+from runner.engines.protocol import CacheStats, EngineError
+from runner.policies.baselines import NoGate
+from runner.runfolder.store import RunStore
 from runner.sim.tools import NullSandbox
-from runner.store import RunStore
-from runner.tasks import Task
+from runner.tasks.tasks import Task
 
 
 class DeadEngine:
@@ -64,9 +64,9 @@ async def test_a_dead_engine_stops_the_batch_instead_of_failing_every_task(tmp_p
 
 
 def test_per_task_sampling_overrides_the_run():
-    from runner.batch import sampling_for
-    from runner.engine import SamplingParams
-    from runner.tasks import validate
+    from runner.batch.batch import sampling_for
+    from runner.engines.protocol import SamplingParams
+    from runner.tasks.tasks import validate
 
     base = SamplingParams(temperature=0.6, max_new_tokens=256, stop=("</tool_call>",))
     t = validate(

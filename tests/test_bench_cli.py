@@ -67,7 +67,7 @@ def test_every_bench_run_parses_to_the_settings_the_bench_simulates(tmp_path, mo
     from runner.cli.engines import constrain_tool_calls
     from runner.cli.main import check_options, config_args, policy_from_args, simulation_plan
     from runner.cli.parser import build_parser
-    from runner.policies import make_policy
+    from runner.policies.registry import make_policy
     from runner.sim import simulate
 
     paper, stress = load_bench("paper"), load_bench("stress")

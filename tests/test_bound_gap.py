@@ -2,7 +2,7 @@
 
 import pytest
 
-from runner.policies import make_policy
+from runner.policies.registry import make_policy
 from runner.sim.engine import CostModel
 from runner.sim.engine import deployment as sim_deployment
 from runner.sim.simulate import simulate

@@ -1,4 +1,4 @@
-"""Coalescing (runner.policies.Coalesce, Gate.coalesce): slot holders back from a tool are
+"""Coalescing (runner.policies.protocol.Coalesce, Gate.coalesce): slot holders back from a tool are
 held a moment so that their requests reach the engine together, and wset2 asks for it only
 where requests come often enough for a hold to gather several."""
 
@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 
-from runner.control import Controller
-from runner.engine import CacheStats
-from runner.gate import Gate
-from runner.policies import Coalesce, Decision, Signals, WorkingSet2, make_policy
+from runner.engines.protocol import CacheStats
+from runner.gate.control import Controller
+from runner.gate.gate import Gate
+from runner.policies.experimental.wset2 import WorkingSet2
+from runner.policies.protocol import Coalesce, Decision, Signals
+from runner.policies.registry import make_policy
 from runner.sim.vclock import run_virtual
 
 
@@ -172,7 +174,7 @@ def test_when_the_first_held_is_cancelled_the_hold_runs_from_the_next():
 
 
 def test_the_request_rate_is_the_mean_of_the_last_ten_periods():
-    from runner.control import RATE_PERIODS
+    from runner.gate.control import RATE_PERIODS
 
     seen: list[float | None] = []
 
@@ -197,7 +199,7 @@ def test_the_request_rate_is_the_mean_of_the_last_ten_periods():
 
 
 def test_gates_summed_over_ranks_and_workers_keep_the_policys_own_counts():
-    from runner.control import policy_sums
+    from runner.gate.control import policy_sums
     from runner.scaleout.summary import merged_gate
 
     a = {"pauses": 1, "orders": {"least-waited/most-waited": 3}, "coalescing_periods": 2,

@@ -10,7 +10,7 @@ import pytest
 from runner.cli.config import parse_args, resolved, run_record, to_toml
 from runner.cli.main import main
 from runner.cli.parser import build_parser
-from runner.store import RunStore
+from runner.runfolder.store import RunStore
 
 
 def toml(tmp_path: Path, text: str) -> Path:

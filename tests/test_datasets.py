@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.datasets import FieldMapError, parse_field_map
-from runner.tasks import KNOWN_FIELDS, TaskSourceError, load_tasks
+from runner.tasks.formats import FieldMapError, parse_field_map
+from runner.tasks.tasks import KNOWN_FIELDS, TaskSourceError, load_tasks
 
 from .conftest import run_cli, write_jsonl
 

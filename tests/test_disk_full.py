@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.toolcall import format_call
+from runner.chat.toolcall import format_call
 
 from .conftest import ROOT, read_jsonl, run_cli
 

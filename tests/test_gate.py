@@ -6,12 +6,13 @@ import random
 
 import pytest
 
-from runner.control import Controller
-from runner.engine import CacheStats
-from runner.gate import Gate
-from runner.policies import AIMD, make_policy
+from runner.engines.protocol import CacheStats
+from runner.gate.control import Controller
+from runner.gate.gate import Gate
+from runner.policies.aimd import AIMD
+from runner.policies.registry import make_policy
+from runner.runfolder.store import RunStore
 from runner.sim.vclock import run_virtual
-from runner.store import RunStore
 
 
 class FakeEngine:

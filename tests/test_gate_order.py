@@ -1,4 +1,4 @@
-"""The gate's incremental keep order (runner/gate_order.py) against the plain sort-based gate.
+"""The gate's incremental keep order (runner/gate/gate_order.py) against the plain sort-based gate.
 
 Thousands of random event sequences (agents asking with growing, shrinking or equal contexts,
 requests ending, agents finishing or being cancelled while they wait, the window resized,
@@ -14,10 +14,10 @@ import random
 
 import pytest
 
-from runner import gate as gate_module
-from runner import gate_order
-from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies import ContextList, ToolList
+from runner.gate.gate import gate as gate_module
+from runner.gate.gate import gate_order
+from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
+from runner.policies.protocol import ContextList, ToolList
 from tests import reference_gate
 
 

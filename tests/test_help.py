@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from runner.cli.parser import build_parser
-from runner.policies import REGISTRY
+from runner.policies.registry import REGISTRY
 
 from .conftest import run_cli
 

@@ -13,7 +13,8 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from runner.engine import (  # noqa: E402
+from runner.engines.llama_cpp import LlamaCppEngine, default_model_path, native  # noqa: E402
+from runner.engines.protocol import (  # noqa: E402
     ConstrainedDecoding,
     ContextLimitExceeded,
     Engine,
@@ -21,11 +22,6 @@ from runner.engine import (  # noqa: E402
     SamplingCheck,
     SamplingParams,
     TokenLogprobs,
-)
-from runner.engines.llama_cpp import (  # noqa: E402
-    LlamaCppEngine,
-    default_model_path,
-    native,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

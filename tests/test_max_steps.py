@@ -4,14 +4,14 @@ task's own max_steps wins over the default."""
 import dataclasses
 import json
 
-from runner.batch import Batch
+from runner.batch.batch import Batch
+from runner.batch.session import execute
 from runner.cli.parser import build_parser
-from runner.policies import make_policy
-from runner.session import execute
+from runner.policies.registry import make_policy
+from runner.runfolder.store import RunStore
 from runner.sim.simulate import load_workload, sim_config, sim_parts
 from runner.sim.tools import NullSandbox
 from runner.sim.vclock import run_virtual
-from runner.store import RunStore
 
 
 def run(tmp_path, cap, own):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli.main import main
-from runner.tasks import MAX_ID_BYTES, expand_samples, load_tasks
+from runner.tasks.tasks import MAX_ID_BYTES, expand_samples, load_tasks
 
 from .conftest import read_jsonl, run_cli
 

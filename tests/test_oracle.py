@@ -2,7 +2,7 @@
 
 import pytest
 
-from runner.policies import make_policy
+from runner.policies.registry import make_policy
 from runner.sim.oracle import CHUNK, _memory_bound, _prefill_room, lower_bound, lower_bounds
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic

@@ -1,4 +1,4 @@
-"""--order-from: tasks a previous run found long start first (runner/ordering.py)."""
+"""--order-from: tasks a previous run found long start first (runner/gate/ordering.py)."""
 
 import dataclasses
 import json
@@ -8,8 +8,8 @@ import pytest
 from runner.cli.config import parse_args as config_args
 from runner.cli.main import main, make_plan
 from runner.cli.parser import build_parser
-from runner.ordering import longest_first, previous_lengths
-from runner.policies import make_policy
+from runner.gate.ordering import longest_first, previous_lengths
+from runner.policies.registry import make_policy
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 

@@ -16,18 +16,18 @@ import datasets
 import jsonschema
 import pytest
 
-from runner.batch import Batch, BatchConfig
+from runner.batch.batch import Batch, BatchConfig
+from runner.chat.template import ChatTemplate, shipped, turn_delta
+from runner.chat.toolcall import format_call
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.engines.replay import ReplayEngine, scripts_from_tasks
-from runner.export import SKYRL_FIELDS, VERL_FIELDS, VERL_METRICS
-from runner.export import main as export_main
-from runner.policies import NoGate
-from runner.records import features, schema
+from runner.policies.baselines import NoGate
+from runner.runfolder.export import SKYRL_FIELDS, VERL_FIELDS, VERL_METRICS
+from runner.runfolder.export import main as export_main
+from runner.runfolder.records import features, schema
+from runner.runfolder.store import RunStore
 from runner.sim.tools import NullSandbox
-from runner.store import RunStore
-from runner.tasks import expand_samples, validate
-from runner.template import ChatTemplate, shipped, turn_delta
-from runner.toolcall import format_call
+from runner.tasks.tasks import expand_samples, validate
 
 from .conftest import ROOT, read_jsonl, run_cli, small_tasks, write_jsonl
 
@@ -209,8 +209,8 @@ async def test_sft_rows_render_back_to_the_engines_token_ids(tmp_path):
 
 
 def test_rewards_from_eval_and_from_a_reward_command():
-    from runner.records import eval_field, eval_reward
-    from runner.rewards import parse_reward
+    from runner.runfolder.records import eval_field, eval_reward
+    from runner.tasks.rewards import parse_reward
 
     assert eval_reward(eval_field(None)) is None
     assert eval_reward(eval_field({"command": "true", "solved": True})) == 1.0
@@ -228,7 +228,7 @@ def test_rewards_from_eval_and_from_a_reward_command():
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    from runner.rewards import pass_at_k
+    from runner.runfolder.summary import pass_at_k
 
     def rec(task, solved):
         return {"task_id": task, "task": task, "eval": {"command": "x", "solved": solved}}

@@ -1,15 +1,10 @@
 import pytest
 
-from runner.policies import (
-    AIMD,
-    AgentCap,
-    ContextList,
-    NoGate,
-    RequestCap,
-    Signals,
-    WorkingSet,
-    make_policy,
-)
+from runner.policies.aimd import AIMD
+from runner.policies.baselines import AgentCap, NoGate, RequestCap
+from runner.policies.experimental.wset import WorkingSet
+from runner.policies.protocol import ContextList, Signals
+from runner.policies.registry import make_policy
 
 
 def sig(window, usage, hit, unfinished=100, **kw):
@@ -210,7 +205,7 @@ def test_bad_policy_parameters_are_errors_that_name_them(spec, options, message)
 
 
 def test_every_registered_policy_is_listed_with_its_parameters():
-    from runner.policies import REGISTRY, describe
+    from runner.policies.registry import REGISTRY, describe
 
     listed = [describe(c) for c in REGISTRY.values()]
     assert "agent-cap:<n>" in listed and "none" in listed

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from runner.agent import Agent
-from runner.engine import SamplingParams
+from runner.agent.agent import Agent
 from runner.engines.llama_cpp import LlamaCppEngine
-from runner.gate import Gate
-from runner.tasks import Task
+from runner.engines.protocol import SamplingParams
+from runner.gate.gate import Gate
+from runner.tasks.tasks import Task
 from tools.core import ToolContext
 from tools.registry import get_tools
 from tools.sandbox import AGENT_UID_BASE, make_sandbox

@@ -3,14 +3,14 @@ the first agent ends."""
 
 import dataclasses
 
-from runner.batch import Batch
-from runner.policies import make_policy
-from runner.progress import BatchStatus, eta, render
-from runner.session import execute
+from runner.batch.batch import Batch
+from runner.batch.progress import BatchStatus, eta, render
+from runner.batch.session import execute
+from runner.policies.registry import make_policy
+from runner.runfolder.store import RunStore
 from runner.sim.simulate import load_workload, sim_config, sim_parts
 from runner.sim.tools import NullSandbox
 from runner.sim.vclock import run_virtual
-from runner.store import RunStore
 
 
 def status(**kw) -> BatchStatus:

@@ -9,13 +9,13 @@ import json
 
 from rich.console import Console
 
-from runner.batch import Batch, BatchConfig
+from runner.batch.batch import Batch, BatchConfig
+from runner.batch.progress import ROWS_MAX, BatchStatus, TaskRow, render_live
 from runner.engines.replay import ReplayEngine
-from runner.policies import NoGate
-from runner.progress import ROWS_MAX, BatchStatus, TaskRow, render_live
+from runner.policies.baselines import NoGate
+from runner.runfolder.store import RunStore
 from runner.sim.tools import NullSandbox
-from runner.store import RunStore
-from runner.tasks import Task
+from runner.tasks.tasks import Task
 from tools.sandbox import BwrapSandbox
 
 

@@ -2,11 +2,11 @@
 
 import asyncio
 
-from runner.control import Controller, MultiController
-from runner.engine import CacheStats
-from runner.gate import Gate
-from runner.policies import AIMD
-from runner.ranked_gate import RankedGate
+from runner.engines.protocol import CacheStats
+from runner.gate.control import Controller, MultiController
+from runner.gate.gate import Gate
+from runner.gate.ranked_gate import RankedGate
+from runner.policies.aimd import AIMD
 from runner.sim.vclock import run_virtual
 
 from .test_gate import agent  # the same agent-shaped coroutine, over a RankedGate

@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.report.stats import (
-    newcombe,
-    paired_difference,
-    pass_at_k,
-    pass_at_k_mean,
-    wilson,
-)
+from runner.report.stats import newcombe, paired_difference, pass_at_k, pass_at_k_mean, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Engine retries (runner/retries.py): transient failures retried with backoff and counted in
+"""Engine retries (runner/agent/retries.py): transient failures retried with backoff and counted in
 summary.json, permanent ones fail at once, attempts and total time bounded. Test doubles of
 the engine interface (named as such), the real batch and session around them."""
 
@@ -9,8 +9,12 @@ import json
 
 import pytest
 
-from runner.batch import Batch, BatchConfig
-from runner.engine import (
+from runner.agent.retries import RetryPolicy, generate, is_transient
+from runner.batch.batch import Batch, BatchConfig
+from runner.batch.session import execute
+from runner.chat.toolcall import format_call
+from runner.engines.chatml_tokenizer import ChatMLTokenizer
+from runner.engines.protocol import (
     CacheStats,
     ContextLimitExceeded,
     EngineError,
@@ -18,14 +22,10 @@ from runner.engine import (
     SamplingParams,
     TransientEngineError,
 )
-from runner.engines.chatml_tokenizer import ChatMLTokenizer
-from runner.policies import NoGate
-from runner.retries import RetryPolicy, generate, is_transient
-from runner.session import execute
+from runner.policies.baselines import NoGate
+from runner.runfolder.store import RunStore
 from runner.sim.tools import NullSandbox
-from runner.store import RunStore
-from runner.tasks import Task
-from runner.toolcall import format_call
+from runner.tasks.tasks import Task
 
 FAST = RetryPolicy(attempts=4, max_seconds=30, initial_wait=0.01, max_wait=0.02)
 

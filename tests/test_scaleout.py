@@ -25,7 +25,7 @@ import pytest
 
 from runner.cli.main import main
 from runner.scaleout.ledger import Ledger
-from runner.tasks import Task
+from runner.tasks.tasks import Task
 
 REPO = Path(__file__).resolve().parent.parent
 # Ray would otherwise rewrite 127.0.0.1 to this machine's outward address (see

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from runner.agent import Agent
-from runner.engine import (
+from runner.agent.agent import Agent
+from runner.agent.retries import is_transient
+from runner.engines import sglang as sg
+from runner.engines.protocol import (
     CacheStats,
     ConstrainedDecoding,
     ContextLimitExceeded,
@@ -30,18 +32,11 @@ from runner.engine import (
     TokenLogprobs,
     TransientEngineError,
 )
-from runner.engines import sglang as sg
-from runner.engines.sglang import (
-    SGLangEngine,
-    SGLangTokenizer,
-    parse_engine_args,
-    sglang_available,
-)
+from runner.engines.sglang import SGLangEngine, SGLangTokenizer, parse_engine_args, sglang_available
 from runner.engines.sglang import args as sg_args
 from runner.engines.sglang import versions as sg_versions
-from runner.gate import Gate
-from runner.retries import is_transient
-from runner.tasks import Task
+from runner.gate.gate import Gate
+from runner.tasks.tasks import Task
 from tests.sglang_double import (
     BOS_ID,
     EOS_ID,
@@ -454,11 +449,11 @@ async def test_engine_exceptions_become_engine_errors(monkeypatch):
 
 def _sglang_batch(monkeypatch, tmp_path, replies, n_tasks):
     """A real batch (and its summary) over the SGLang double: -> (summary, the double)."""
-    from runner.batch import Batch, BatchConfig
-    from runner.policies import NoGate
-    from runner.session import execute
+    from runner.batch.batch import Batch, BatchConfig
+    from runner.batch.session import execute
+    from runner.policies.baselines import NoGate
+    from runner.runfolder.store import RunStore
     from runner.sim.tools import NullSandbox
-    from runner.store import RunStore
 
     eng, fk = make(monkeypatch, config={"replies": replies})
     tasks = [Task(f"t{i}", [{"role": "user", "content": "go"}], tools=["submit"]) for i in
@@ -1088,10 +1083,10 @@ def test_bench_fails_when_a_constrained_reply_is_not_a_call(monkeypatch, tmp_pat
 async def test_batch_with_dp_keeps_one_window_per_rank_and_sticky_ranks(monkeypatch, tmp_path):
     """The whole batch over the SGLang double with --dp 2: the per-rank gates bind each
     agent's rank in the adapter before its first request, and every request goes there."""
-    from runner.batch import Batch, BatchConfig
-    from runner.policies import AgentCap
+    from runner.batch.batch import Batch, BatchConfig
+    from runner.policies.baselines import AgentCap
+    from runner.runfolder.store import RunStore
     from runner.sim.tools import NullSandbox
-    from runner.store import RunStore
 
     submit = Reply('<tool_call>{"name": "submit", "arguments": {"answer": "x"}}')
     eng, fk = make(monkeypatch, config={"replies": [submit] * 6}, dp_size=2)

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from runner.engine import EngineError, SamplingParams, TransientEngineError
+from runner.engines.protocol import EngineError, SamplingParams, TransientEngineError
 from runner.engines.sglang import SGLangEngine
 from runner.engines.sglang import engine as sg_engine
 from runner.engines.sglang import versions as sg_versions

@@ -21,7 +21,7 @@ import asyncio
 
 import pytest
 
-from runner.engine import SamplingParams
+from runner.engines.protocol import SamplingParams
 from runner.sim.engine import make_sim_engine
 from runner.sim.vclock import run_virtual
 

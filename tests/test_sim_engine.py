@@ -7,14 +7,8 @@ import time
 
 import pytest
 
-from runner.engine import ContextLimitExceeded, EngineError, SamplingParams
-from runner.sim.engine import (
-    DEPLOYMENTS,
-    CostModel,
-    RadixCache,
-    SimEngine,
-    make_sim_engine,
-)
+from runner.engines.protocol import ContextLimitExceeded, EngineError, SamplingParams
+from runner.sim.engine import DEPLOYMENTS, CostModel, RadixCache, SimEngine, make_sim_engine
 from runner.sim.engine.radix import DEVICE, HOST
 from runner.sim.vclock import run_virtual
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runner.policies import make_policy
+from runner.policies.registry import make_policy
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from runner.store import RunFolderBusy, RunStore
+from runner.runfolder.store import RunFolderBusy, RunStore
 
 
 def test_one_writer_per_run_folder(tmp_path):
@@ -52,7 +52,7 @@ async def test_agents_finishing_together_share_fsyncs_and_keep_their_order(tmp_p
     fsyncs than lines (the lines that wait for the writer thread go together)."""
     import os
 
-    import runner.store as store
+    import runner.runfolder.store as store
 
     s = RunStore(tmp_path / "run")
     syncs, real_fsync = [], os.fsync

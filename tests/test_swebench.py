@@ -12,8 +12,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from runner.swebench import DEFAULT_TEST_CMD, apply_script, checkout, parse_spec, patched_paths
-from runner.tasks import load_tasks
+from runner.tasks.swebench import (
+    DEFAULT_TEST_CMD,
+    apply_script,
+    checkout,
+    parse_spec,
+    patched_paths,
+)
+from runner.tasks.tasks import load_tasks
 
 from .conftest import ROOT, read_jsonl, run_cli, write_jsonl
 
@@ -181,7 +187,9 @@ def test_swebench_record_end_to_end(tmp_path, needs_bwrap):
     assert ev["tests"]["PASS_TO_PASS"]["failed"] == P2P
 
     validator = jsonschema.Draft202012Validator(
-        json.loads((ROOT / "runner" / "schemas" / "trajectory.schema.json").read_text())
+        json.loads(
+            (ROOT / "runner" / "runfolder" / "schemas" / "trajectory.schema.json").read_text()
+        )
     )
     for t in by_id.values():
         validator.validate(t)

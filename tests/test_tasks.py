@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from runner.tasks import SHIPPED, RecordError, Task, TaskSourceError, load_tasks, resolve_source
+from runner.tasks.tasks import (
+    SHIPPED,
+    RecordError,
+    Task,
+    TaskSourceError,
+    load_tasks,
+    resolve_source,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -543,7 +550,7 @@ def test_hub_offline_fresh_process(tmp_path):
             raise OSError("network disabled in tests")
         socket.getaddrinfo = no_network
         socket.socket.connect = no_network
-        from runner.tasks import TaskSourceError, load_tasks
+        from runner.tasks.tasks import TaskSourceError, load_tasks
         try:
             load_tasks({HUB_NAME!r})
         except TaskSourceError as e:

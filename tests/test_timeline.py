@@ -91,13 +91,13 @@ def test_every_run_writes_a_timeline_and_report_plot_redraws_it(tmp_path):
 def test_a_failing_plot_keeps_the_summary(tmp_path, caplog):
     """A control.jsonl that cannot be read (here a corrupt line left in the folder) fails the
     plot; the batch's summary.json is still written and the failure is logged."""
-    from runner.batch import Batch
-    from runner.policies import make_policy
-    from runner.session import execute
+    from runner.batch.batch import Batch
+    from runner.batch.session import execute
+    from runner.policies.registry import make_policy
+    from runner.runfolder.store import RunStore
     from runner.sim.simulate import load_workload, sim_config, sim_parts
     from runner.sim.tools import NullSandbox
     from runner.sim.vclock import run_virtual
-    from runner.store import RunStore
 
     store = RunStore(tmp_path)
     store.control.write_text("not json\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.toolcall import FORMAT_HELP, ParseError, ToolCall, parse_tool_call
+from runner.chat.toolcall import FORMAT_HELP, ParseError, ToolCall, parse_tool_call
 
 KNOWN = frozenset({"bash", "submit", "read_file"})
 LS = ToolCall("bash", {"command": "ls"})

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.agent import Agent
-from runner.engine import SamplingParams
+from runner.agent.agent import Agent
+from runner.engines.protocol import SamplingParams
 from runner.engines.replay import ReplayEngine, scripts_from_trajectories
-from runner.tasks import Task
+from runner.tasks.tasks import Task
 from tools.core import ToolContext, check_args, schema
 from tools.editor import StrReplaceEditor
 from tools.gitrepo import ensure_repo

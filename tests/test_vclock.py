@@ -11,13 +11,7 @@ import math
 import sys
 from collections import deque
 
-from runner.sim.vclock import (
-    TESTED_PYTHON,
-    Deadlock,
-    VirtualClock,
-    VirtualTimeLoop,
-    run_virtual,
-)
+from runner.sim.vclock import TESTED_PYTHON, Deadlock, VirtualClock, VirtualTimeLoop, run_virtual
 
 
 def test_python_is_in_the_tested_range():

@@ -114,7 +114,7 @@ def test_as_sent_is_what_the_runner_sends_the_engine(tmp_path, system):
     # every request of a real simulated run, prompt and reply, step by step, is the trace
     # as sent: the runner's template and tool instructions counted; replies shorter than
     # their tool call in the trace are the call's length
-    from runner.policies import make_policy
+    from runner.policies.registry import make_policy
     from runner.sim.engine import deployment
     from runner.sim.simulate import simulate
 
@@ -147,7 +147,7 @@ def test_as_sent_ends_agents_where_the_runner_does_at_the_context_limit(tmp_path
     # a context limit some agents reach: the engine refuses a prompt that leaves no room for
     # max_new, and the runner ends an agent whose next observation would not fit; the trace
     # as sent stops each agent there, request for request as a simulated run does
-    from runner.policies import make_policy
+    from runner.policies.registry import make_policy
     from runner.sim.engine import deployment
     from runner.sim.oracle import lower_bound
     from runner.sim.simulate import simulate

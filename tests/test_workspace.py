@@ -1,4 +1,4 @@
-"""Workspaces from a directory or an archive: safe copying and extraction (runner/workspace.py),
+"""Workspaces from a directory or an archive: safe copying and extraction (runner/batch/workspace.py),
 the `workspace` task field, and a batch that starts from them (setup, git base, patch)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.tasks import load_tasks
-from runner.workspace import WorkspaceError, populate
+from runner.batch.workspace import WorkspaceError, populate
+from runner.tasks.tasks import load_tasks
 
 from .conftest import read_jsonl, run_cli, write_jsonl
 

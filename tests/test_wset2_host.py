@@ -5,11 +5,13 @@ import random
 
 import pytest
 
-from runner.control import Controller
-from runner.engine import CacheStats
 from runner.engines.chatml_tokenizer import ChatMLTokenizer
-from runner.gate import Gate
-from runner.policies import Signals, WorkingSet2, make_policy
+from runner.engines.protocol import CacheStats
+from runner.gate.control import Controller
+from runner.gate.gate import Gate
+from runner.policies.experimental.wset2 import WorkingSet2
+from runner.policies.protocol import Signals
+from runner.policies.registry import make_policy
 from runner.sim.engine import make_sim_engine
 
 from .test_wset2 import ws_sig

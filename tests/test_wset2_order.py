@@ -8,11 +8,11 @@ import typing
 
 import pytest
 
-from runner.control import Controller
-from runner.engine import CacheStats
-from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies import (
-    FAIR,
+from runner.engines.protocol import CacheStats
+from runner.gate.control import Controller
+from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
+from runner.policies.experimental.wset2 import FAIR, WorkingSet2
+from runner.policies.protocol import (
     ContextList,
     Decision,
     Order,
@@ -20,9 +20,8 @@ from runner.policies import (
     ResumeRule,
     Signals,
     ToolList,
-    WorkingSet2,
-    make_policy,
 )
+from runner.policies.registry import make_policy
 from runner.sim.vclock import run_virtual
 
 
@@ -215,7 +214,7 @@ def test_a_wait_from_the_clocks_start_counts():
 
 def test_each_data_parallel_rank_takes_its_own_controllers_order():
     # rank 0's controller chooses FAIR, rank 1's policy no order: only rank 0's gate changes
-    from runner.ranked_gate import RankedGate
+    from runner.gate.ranked_gate import RankedGate
 
     async def main():
         gates = [Gate(2, pause_rule="newest", resume_rule="newest") for _ in range(2)]

@@ -1,4 +1,4 @@
-"""wset2's decisions through the gate's tool-call view (runner/gate_order.py: the holders in
+"""wset2's decisions through the gate's tool-call view (runner/gate/gate_order.py: the holders in
 a call by when it began, the finished durations sorted; numpy's mean excess, the prepared
 fit) against the path it replaced (tests/reference_wset2.py, on tuples from the sort-based
 reference gate): random event sequences through both gates, and after every event the same
@@ -13,20 +13,19 @@ from collections import Counter
 
 import pytest
 
-from runner import gate as gate_module
-from runner import gate_order
-from runner.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies import (
+from runner.gate.gate import gate as gate_module
+from runner.gate.gate import gate_order, tool_calls
+from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
+from runner.policies.experimental.fit import _capacity
+from runner.policies.experimental.wset2 import (
     FAIR,
-    ContextList,
-    Signals,
     WorkingSet2,
-    _capacity,
     _fit_dropping,
     _held_past,
     _RemainingTime,
     _tool_calls,
 )
+from runner.policies.protocol import ContextList, Signals
 from tests import reference_gate, reference_wset2
 
 
@@ -107,9 +106,9 @@ def near_or_far(gate: Gate, after: float, budget: float, extra: float, shared: i
     n = calls.begun_by(view._past(after), view._turn(after))
     if not n or budget < 0:
         return
-    near = gate_order._fit_near_turn(order, calls, n, budget, extra, shared)
-    per_block = gate_order._FitPast(gate.contexts()._blocks(), *view._dropped(n), extra, shared)
-    if isinstance(near, gate_order._Far):
+    near = tool_calls._fit_near_turn(order, calls, n, budget, extra, shared)
+    per_block = tool_calls._FitPast(gate.contexts()._blocks(), *view._dropped(n), extra, shared)
+    if isinstance(near, tool_calls._Far):
         fast.update(far=1)
         return
     assert near == per_block(budget), (budget, extra, shared, near)
@@ -171,7 +170,7 @@ async def test_wset2_decides_as_the_path_it_replaced(monkeypatch, kept, sequence
     # from the sorted array all the time)
     monkeypatch.setattr(gate_order, "LOAD", 2)
     # the block where the budget runs out read from its end 1, 2, 4, ... members at a time
-    monkeypatch.setattr(gate_order, "TAIL", 1)
+    monkeypatch.setattr(tool_calls, "TAIL", 1)
     monkeypatch.setattr(gate_module, "TOOL_DURATIONS_KEPT", kept)
     monkeypatch.setattr(reference_gate, "TOOL_DURATIONS_KEPT", kept)
     dropped, fast = 0, Counter[str]()

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..batch import sampling_for
-from ..engine import ConstrainedDecoding, Engine, SamplingCheck, SamplingParams
-from ..tasks import Task
+from ..batch.batch import sampling_for
+from ..engines.protocol import ConstrainedDecoding, Engine, SamplingCheck, SamplingParams
+from ..tasks.tasks import Task
 
 log = logging.getLogger("concur")
 

@@ -1,7 +1,7 @@
 """Command line: `python run.py --tasks swe.jsonl [options]`.
 
 Parse and check the options, make a plan (the tasks, the run folder, the engine, the batch
-settings), then run it on the one batch path every engine shares (runner/session.py).
+settings), then run it on the one batch path every engine shares (runner/batch/session.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from typing import Any
 
 from tools.sandbox import CommandSandbox, Limits, SandboxUnavailable, limits_line, make_sandbox
 
-from ..batch import Batch, BatchConfig
-from ..datasets import parse_field_map
-from ..engine import SamplingParams
-from ..ordering import describe as describe_order
-from ..ordering import longest_first, previous_lengths
-from ..policies import Policy, make_policy
-from ..progress import Progress
-from ..session import LoopRunner, execute
-from ..store import RunFolderBusy, RunFolderWriteError, RunStore
-from ..tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
+from ..batch.batch import Batch, BatchConfig
+from ..batch.progress import Progress
+from ..batch.session import LoopRunner, execute
+from ..engines.protocol import SamplingParams
+from ..gate.ordering import describe as describe_order
+from ..gate.ordering import longest_first, previous_lengths
+from ..policies.protocol import Policy
+from ..policies.registry import make_policy
+from ..runfolder.store import RunFolderBusy, RunFolderWriteError, RunStore
+from ..tasks.formats import parse_field_map
+from ..tasks.tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
 from .checks import check_options, tool_names
 from .config import differing, resolved, run_record, to_toml
 from .config import parse_args as config_args
@@ -73,7 +74,7 @@ def report(argv: list[str]) -> int:
 
 
 def export(argv: list[str]) -> int:
-    from ..export import main as export_main
+    from ..runfolder.export import main as export_main
 
     return export_main(argv)
 
@@ -433,7 +434,7 @@ def fail(msg: str) -> int:
 def eval_only(
     tasks: list[Task], store: RunStore, sandbox: CommandSandbox, config: BatchConfig
 ) -> int:
-    from ..rescore import RescoreError, rescore
+    from ..batch.rescore import RescoreError, rescore
 
     try:
         res = rescore(tasks, store, sandbox, config)

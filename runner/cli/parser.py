@@ -11,15 +11,14 @@ from tools.registry import DEFAULT_TOOLS
 from tools.registry import REGISTRY as TOOL_REGISTRY
 from tools.sandbox import FS_KINDS, MODES, Limits
 
-from ..batch import BatchConfig
-from ..control import DEFAULT_CONTROL_PERIOD
-from ..datasets import FieldMapError, parse_field_map
+from ..agent.stopping import DEFAULT_GRACE_SECONDS
+from ..batch.batch import BatchConfig
 from ..engines.sglang import add_sglang_arguments
-from ..gate import PAUSE_RULES, RESUME_RULES
-from ..policies import AIMD, describe
-from ..policies import REGISTRY as POLICIES
-from ..stopping import DEFAULT_GRACE_SECONDS
-from ..tasks import KNOWN_FIELDS
+from ..gate.control import DEFAULT_CONTROL_PERIOD
+from ..gate.gate import PAUSE_RULES, RESUME_RULES
+from ..policies.aimd import AIMD
+from ..tasks.formats import FieldMapError, parse_field_map
+from ..tasks.tasks import KNOWN_FIELDS
 from .engines import ENGINE_NAMES
 
 AIMD_FLAGS = {  # AIMD field -> its flag
@@ -32,11 +31,19 @@ AIMD_FLAGS = {  # AIMD field -> its flag
 }
 
 
+POLICY_LIST = "{every policy}"  # filled in by the formatter
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a default where there is one (never "(default: None)" or of a plain switch, but
     0 and 0.0 are defaults); never breaks a line inside a name (agent-cap, headroom_steps)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
+        if action.help and POLICY_LIST in action.help:
+            # only when help is shown: listing the policies imports the experimental ones
+            from ..policies.registry import listing
+
+            action.help = action.help.replace(POLICY_LIST, listing())
         unset = action.default is None or action.default is False or action.default == []
         if unset or action.default is argparse.SUPPRESS or "default" in (action.help or ""):
             return action.help or ""
@@ -175,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         default="paper",
         help="a synthetic workload preset (paper, paper-deepseek-16/32/40, tiny) or a trace "
-        "file (.jsonl, see runner/workload.py)",
+        "file (.jsonl, see runner/sim/workload.py)",
     )
     g.add_argument("--workload-seed", type=int, default=0, help="seed of a synthetic workload")
     g.add_argument(
@@ -212,9 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="aimd",
         help="NAME or NAME:key=value,...; registered, with their parameters' defaults (<key>: "
-        "required, [key]: derived from the others): "
-        + "; ".join(describe(cls) for cls in POLICIES.values())
-        + " (docs/policies.md)",
+        "required, [key]: derived from the others): " + POLICY_LIST + " (docs/policies.md)",
     )
     aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
     g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")

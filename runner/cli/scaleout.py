@@ -16,13 +16,13 @@ from typing import Any
 
 from tools.sandbox import AGENT_UID_BASE, CommandSandbox, make_sandbox
 
-from ..batch import BatchConfig
-from ..engine import SamplingParams
-from ..policies import Policy
-from ..progress import Progress
+from ..batch.batch import BatchConfig
+from ..batch.progress import Progress
+from ..engines.protocol import SamplingParams
+from ..policies.protocol import Policy
+from ..runfolder.store import RunStore
 from ..scaleout.protocol import EngineBuild, WorkerSpec, worker_uid_base
-from ..store import RunStore
-from ..tasks import Task
+from ..tasks.tasks import Task
 from .engines import ENGINES, check_sampling, constrain_tool_calls, sim_engine_options
 
 log = logging.getLogger("concur")

@@ -15,7 +15,7 @@ import hashlib
 import re
 from typing import Any
 
-from ..template import ChatTemplate
+from ..chat.template import ChatTemplate
 
 CHATML = (
     "{% for message in messages %}"

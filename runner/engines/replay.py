@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
-from ..toolcall import format_call
+from ..chat.toolcall import format_call
 from .chatml_tokenizer import EOS_ID, ChatMLTokenizer
+from .protocol import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 
 END_OF_SCRIPT = format_call("submit", {"answer": "replay: no more scripted turns"})
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..progress import BatchStatus, Progress
-from ..store import RunStore
-from ..tasks import Task
+from ..batch.progress import BatchStatus, Progress
+from ..runfolder.store import RunStore
+from ..tasks.tasks import Task
 from .handle import Handle
 from .ledger import Ledger
 from .protocol import TRAJECTORIES, Feed, Report, WorkerSpec

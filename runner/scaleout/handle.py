@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..progress import BatchStatus
+from ..batch.progress import BatchStatus
 from .protocol import Want, WorkerDone, WorkerInfo
 
 

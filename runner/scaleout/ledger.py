@@ -14,7 +14,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..tasks import Task
+from ..tasks.tasks import Task
 from .protocol import Assignment
 
 

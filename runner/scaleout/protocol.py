@@ -15,11 +15,11 @@ from typing import Any
 
 from tools.sandbox import CommandSandbox
 
-from ..batch import BatchConfig
-from ..engine import Engine
-from ..policies import Policy
-from ..progress import BatchStatus
-from ..tasks import Task
+from ..batch.batch import BatchConfig
+from ..batch.progress import BatchStatus
+from ..engines.protocol import Engine
+from ..policies.protocol import Policy
+from ..tasks.tasks import Task
 
 POLL_S = 0.25  # longest a worker holds an exchange with nothing to report
 GATHER_S = 0.005  # once it has something, how long it waits for more to send together

@@ -1,4 +1,4 @@
-"""summary.json of a batch over many nodes: the single-process schema (runner/summary.py),
+"""summary.json of a batch over many nodes: the single-process schema (runner/runfolder/summary.py),
 totals from the run folder's records, plus `workers` (one entry per worker) and `scaleout`
 (the driver's own figures)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from ..control import policy_sums
-from ..store import RunStore
-from ..summary import batch_totals
+from ..gate.control import policy_sums
+from ..runfolder.store import RunStore
+from ..runfolder.summary import batch_totals
 from .handle import Handle
 
 SESSION_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")

@@ -24,10 +24,10 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from ..batch import Batch, EngineDead
-from ..engine import Engine, TaskScripted
-from ..summary import session_parts
-from ..tasks import Task
+from ..batch.batch import Batch, EngineDead
+from ..batch.session import session_parts
+from ..engines.protocol import Engine, TaskScripted
+from ..tasks.tasks import Task
 from .protocol import (
     GATHER_S,
     POLL_S,

@@ -50,11 +50,7 @@ from typing import Any
 
 from .engine import CostModel
 from .engine import deployment as sim_deployment
-from .engine.scheduler import (
-    CLIP_MAX_NEW_TOKENS,
-    INIT_NEW_TOKEN_RATIO,
-    MIN_NEW_TOKEN_RATIO_FACTOR,
-)
+from .engine.scheduler import CLIP_MAX_NEW_TOKENS, INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO_FACTOR
 from .workload import Workload
 
 CHUNK = 8192  # SGLang's default chunked_prefill_size

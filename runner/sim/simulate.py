@@ -3,7 +3,7 @@ virtual clock: minutes of simulated GPU time in seconds of wall time, determinis
 
 `sim_parts` builds what a simulated batch needs (tasks, engine, tools, sandbox); the CLI's
 `--engine sim` and `simulate` (the benchmarks' entry point) both use it and then the same
-batch and summary path as every engine (runner/session.py).
+batch and summary path as every engine (runner/batch/session.py).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..batch import Batch, BatchConfig
-from ..control import DEFAULT_CONTROL_PERIOD
-from ..engine import SamplingParams
+from ..batch.batch import Batch, BatchConfig
+from ..batch.session import execute
 from ..engines.chatml_tokenizer import ChatMLTokenizer
-from ..policies import Policy
-from ..session import execute
-from ..store import RunStore
-from ..summary import record_totals
-from ..tasks import Task
+from ..engines.protocol import SamplingParams
+from ..gate.control import DEFAULT_CONTROL_PERIOD
+from ..policies.protocol import Policy
+from ..runfolder.store import RunStore
+from ..runfolder.summary import record_totals
+from ..tasks.tasks import Task
 from .engine import SimEngine, make_sim_engine
 from .engine import deployment as sim_deployment
 from .engine.presets import _DEPLOYMENT_FIELDS as DEPLOYMENT_FIELDS

@@ -24,10 +24,10 @@ from typing import Any
 
 from tools.core import schema
 
-from ..agent import observation_ids, opening_ids, opening_messages
+from ..agent.agent import observation_ids, opening_ids, opening_messages
+from ..chat.toolcall import format_call
 from ..engines.chatml_tokenizer import EOS_ID, ChatMLTokenizer, span, span_ids
-from ..tasks import Task
-from ..toolcall import format_call
+from ..tasks.tasks import Task
 from .tools import SIM_TOOLS
 
 SYSTEM_SEED = 0
@@ -166,7 +166,7 @@ class Workload:
     def as_sent(self, context_limit: int, pool_tokens: int, max_new: int) -> Workload | None:
         """This trace as the simulated engine receives it through the runner: per agent, its
         opening prompt and every reply and observation turn in the runner's own ids
-        (runner.agent's opening_ids and observation_ids, and the simulated model's replies:
+        (runner.agent.agent's opening_ids and observation_ids, and the simulated model's replies:
         a step whose trace generates fewer tokens than its tool call takes the call's); the
         shared prefix is what every opening prompt begins with (the system prompt and the
         tool instructions). An agent ends where the runner ends it: at a request the engine

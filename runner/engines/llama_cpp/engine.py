@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ... import toolcall
-from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
+from ...chat import toolcall
+from ..protocol import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
 from . import native
 from .batch import NativeBatch
 from .pool import Pool, Slot, common_prefix, runs
@@ -142,7 +142,7 @@ class _Request:
 
 class LlamaCppEngine:
     """Implements Engine, ConstrainedDecoding, TokenLogprobs, SamplingCheck and EngineStats
-    (runner/engine.py)."""
+    (runner/engines/protocol.py)."""
 
     name = "llama.cpp"
 

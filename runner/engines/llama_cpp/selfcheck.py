@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...engine import EngineError
+from ..protocol import EngineError
 from . import native
 
 

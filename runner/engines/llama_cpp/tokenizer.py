@@ -5,12 +5,12 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from ...engine import EngineError
-from ...template import ChatTemplate
+from ...chat.template import ChatTemplate
+from ..protocol import EngineError
 
 
 class LlamaTokenizer:
-    """Implements runner.engine.Tokenizer over a loaded llama.cpp model. Token pieces are
+    """Implements runner.engines.protocol.Tokenizer over a loaded llama.cpp model. Token pieces are
     kept once read: decoding is then a join of bytes."""
 
     def __init__(self, model: Any, path: str) -> None:

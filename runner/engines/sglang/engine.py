@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ... import toolcall
-from ...engine import (
+from ...chat import toolcall
+from ..protocol import (
     CacheStats,
     ContextLimitExceeded,
     EngineError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...engine import EngineError
+from ..protocol import EngineError
 
 # Single-token end-of-turn markers of common chat templates (added to eos_ids when the
 # template writes them).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from ...engine import EngineError
+from ..protocol import EngineError
 
 Version = tuple[int, int, int]
 

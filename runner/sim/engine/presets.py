@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from ...engine import Tokenizer
+from ...engines.protocol import Tokenizer
 from .cost import Deployment, GpuSpec, ModelSpec
 from .scheduler import SimEngine
 

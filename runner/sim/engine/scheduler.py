@@ -1,6 +1,6 @@
 """SimEngine: an SGLang-like engine simulated on the event loop's clock.
 
-It implements the Engine protocol (runner/engine.py). Requests go through a model of
+It implements the Engine protocol (runner/engines/protocol.py). Requests go through a model of
 SGLang's scheduler (managers/scheduler.py, schedule_policy.py, schedule_batch.py, read
 from the 0.5.x sources):
 - a radix prefix cache over a KV pool of fixed size (radix.py), LRU eviction of unlocked
@@ -45,8 +45,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ...engine import CacheStats, ContextLimitExceeded, EngineError, Generation, SamplingParams
-from ...engine import Tokenizer as TokenizerProto
+from ...engines.protocol import (
+    CacheStats,
+    ContextLimitExceeded,
+    EngineError,
+    Generation,
+    SamplingParams,
+)
+from ...engines.protocol import Tokenizer as TokenizerProto
 from ..vclock import VirtualClock
 from .cost import CostModel, Deployment
 from .radix import EvictionPolicy, Key, Node, RadixCache, WritePolicy

@@ -132,8 +132,10 @@ def check_trl(path: Path, template: Path, model: Path, run: Path, work: Path) ->
         for row, traj in zip(ds, trajs, strict=True):
             roll = rolls[traj["task_id"]]
             seen = tok.decode(roll["prompt_ids"] + roll["response_ids"])
-            text = tok.apply_chat_template(row["messages"], tools=row["tools"],
-                                           chat_template=chat, tokenize=False)  # fmt: skip
+            # an agent stopped after an observation had the next generation prompt appended
+            text = tok.apply_chat_template(
+                row["messages"], tools=row["tools"], chat_template=chat, tokenize=False,
+                add_generation_prompt=row["messages"][-1]["role"] == "tool")  # fmt: skip
             same += text.startswith(seen) and text[len(seen) :] in ("", "<|im_end|>\n")
         res["raw_rows_render_the_text_the_engine_saw"] = f"{same} of {len(trajs)}"
     cfg = SFTConfig(

@@ -738,7 +738,10 @@ def check_exports_with_real_tokens(tmp_path: Path, run: Path, tok) -> None:
     assert export(run, "--format", "sft", "--out", sft, "--chat-template", "chatml-tools") == 0
     tmpl = ChatTemplate((tmp_path / "sft.chat_template.jinja").read_text())
     for row, traj in zip(read_jsonl(sft), read_jsonl(run / "trajectories.jsonl"), strict=True):
-        text_of[traj["task_id"]] = tmpl.render(row["messages"], row["tools"], False)
+        # an agent stopped after an observation (max_steps) had the next generation prompt
+        # appended too
+        prompt_next = row["messages"][-1]["role"] == "tool"
+        text_of[traj["task_id"]] = tmpl.render(row["messages"], row["tools"], prompt_next)
     rolls = by_id(run / "rollouts.jsonl")
     opts = ["--null-reward", "0"]  # these tasks have no eval
     for fmt, ids, resp, mask, lps, who in (

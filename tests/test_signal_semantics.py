@@ -85,7 +85,10 @@ async def test_the_llama_cpp_engine_has_the_same_meanings():
     pytest.importorskip("llama_cpp")
     from runner.engines.llama_cpp import LlamaCppEngine
 
-    eng = LlamaCppEngine(n_ctx=1024, n_threads=2, pool_tokens=2048, max_seqs=2)
+    # 16 slots: one busy slot is 1/16 of them, less than its cells' share of the pool, so U
+    # is the cells' share here (where slots run out first, the engine's U is the busy slots'
+    # share, as SGLang's scheduler stops at max_running_requests: docs/engines.md)
+    eng = LlamaCppEngine(n_ctx=1024, n_threads=2, pool_tokens=2048, max_seqs=16)
     eos = eng.tokenizer.eos_ids
     eng.tokenizer._eos = frozenset()  # a fixed output length: EOS does not end a request here
     try:

@@ -39,7 +39,11 @@ def released_classes(wheel: Path, member: str, names: tuple[str, ...], ns: dict)
     found = {n.name for n in body}
     if found != set(names):
         raise SystemExit(f"{wheel.name}:{member}: missing {sorted(set(names) - found)}")
-    exec(compile(ast.Module(body=body, type_ignores=[]), f"{wheel.name}/{member}", "exec"), ns)
+    # dont_inherit: not this file's `from __future__ import annotations` (pydantic resolves
+    # the fields at class creation, in `ns`)
+    code = compile(ast.Module(body=body, type_ignores=[]), f"{wheel.name}/{member}", "exec",
+                   dont_inherit=True)  # fmt: skip
+    exec(code, ns)
     return {n: ns[n] for n in names}
 
 
@@ -103,9 +107,15 @@ def check_trl(path: Path, template: Path, model: Path, run: Path, work: Path) ->
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(str(model.parent), gguf_file=model.name)
-    lm = AutoModelForCausalLM.from_pretrained(
+    gguf = AutoModelForCausalLM.from_pretrained(
         str(model.parent), gguf_file=model.name, dtype=torch.float32
     )
+    # transformers dequantizes the GGUF to float32 but still marks the model quantized,
+    # which its Trainer refuses: the same weights in a plain model
+    config = gguf.config
+    config.__dict__.pop("quantization_config", None)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm.load_state_dict(gguf.state_dict())
     ds = datasets.load_dataset("json", data_files=str(path), split="train",
                                cache_dir=str(work / "cache"))  # fmt: skip
     chat = template.read_text()
@@ -118,13 +128,16 @@ def check_trl(path: Path, template: Path, model: Path, run: Path, work: Path) ->
         lengths.append(len(ids))
         text = tok.apply_chat_template(row["messages"], tools=row["tools"],
                                        chat_template=chat, tokenize=False)  # fmt: skip
-        for m in row["messages"]:
-            for c in (m.get("tool_calls") or []) if m["role"] == "assistant" else []:
-                needle = json.dumps({"name": c["function"]["name"],
-                                     "arguments": c["function"]["arguments"]})  # fmt: skip
-                calls_once &= text.count(needle) == 1
+        # every call written once: as many calls in the text as the row has (the raw rows
+        # hold theirs in the content), not counting the example in the tools description
+        head = tok.apply_chat_template(row["messages"][:1], tools=row["tools"],
+                                       chat_template=chat, tokenize=False)  # fmt: skip
+        said = [m for m in row["messages"] if m["role"] == "assistant"]
+        structured = sum(len(m.get("tool_calls") or []) for m in said)
+        raw = sum(m["content"].count("<tool_call>") for m in said) if not structured else 0
+        calls_once &= text.count("<tool_call>{") - head.count("<tool_call>{") == structured + raw
     res["tokens_per_row"] = lengths
-    res["each_structured_call_rendered_once"] = calls_once
+    res["each_call_rendered_once"] = calls_once
     if "structured" not in path.name:  # raw rows: the text the engine saw, token ids decoded
         rolls = {r["task_id"]: r for r in read_jsonl(run / "rollouts.jsonl")}
         trajs = read_jsonl(run / "trajectories.jsonl")
@@ -132,8 +145,10 @@ def check_trl(path: Path, template: Path, model: Path, run: Path, work: Path) ->
         for row, traj in zip(ds, trajs, strict=True):
             roll = rolls[traj["task_id"]]
             seen = tok.decode(roll["prompt_ids"] + roll["response_ids"])
-            text = tok.apply_chat_template(row["messages"], tools=row["tools"],
-                                           chat_template=chat, tokenize=False)  # fmt: skip
+            # an agent stopped after an observation had the next generation prompt appended
+            text = tok.apply_chat_template(
+                row["messages"], tools=row["tools"], chat_template=chat, tokenize=False,
+                add_generation_prompt=row["messages"][-1]["role"] == "tool")  # fmt: skip
             same += text.startswith(seen) and text[len(seen) :] in ("", "<|im_end|>\n")
         res["raw_rows_render_the_text_the_engine_saw"] = f"{same} of {len(trajs)}"
     cfg = SFTConfig(
@@ -144,8 +159,15 @@ def check_trl(path: Path, template: Path, model: Path, run: Path, work: Path) ->
     )  # fmt: skip
     t0 = time.perf_counter()
     trainer = SFTTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tok)
-    masks = trainer.train_dataset["assistant_masks"]
-    res["assistant_tokens_per_row"] = [int(sum(m)) for m in masks]
+    # the tokens the loss reads: TRL 1.16 turns the assistant mask into labels (-100 elsewhere)
+    cols = trainer.train_dataset.column_names
+    res["dataset_columns"] = cols
+    if "labels" in cols:
+        trained = [sum(x != -100 for x in row) for row in trainer.train_dataset["labels"]]
+    else:
+        trained = [int(sum(m)) for m in trainer.train_dataset["assistant_masks"]]
+    res["assistant_tokens_per_row"] = trained
+    assert all(n > 0 for n in trained), trained
     trainer.train()
     res["train_seconds"] = round(time.perf_counter() - t0, 1)
     res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -231,6 +231,7 @@ class LlamaCppEngine:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
+        self._done: list[tuple[asyncio.AbstractEventLoop, Any]] = []  # results to deliver
         self._seen: dict[str, list[int]] = {}  # agent -> the context it last held
         self._ratio = RATIO_START
         self._stats: dict[str, Any] = dict.fromkeys(
@@ -351,15 +352,26 @@ class LlamaCppEngine:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     msg = None
-            if self._waiting or self._running:
+            stepped = bool(self._waiting or self._running)
+            if stepped:
                 t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as e:  # a native failure fails the requests, not the batch
                     self._fail_all(EngineError(f"llama.cpp step failed: {type(e).__name__}: {e}"))
                 self._stats["busy_seconds"] += time.perf_counter() - t0
+            if stepped or self._done:
                 self._snapshot = self._read_cache()
+            self._deliver()
         self._fail_all(EngineError("engine shut down during generation"))
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the finished requests' results to their event loops, after the signals are
+        read again: a caller that awaited a generation sees the pool without it."""
+        done, self._done = self._done, []
+        for loop, deliver in done:
+            loop.call_soon_threadsafe(deliver)
 
     def _handle(self, msg: tuple[str, Any]) -> None:
         kind, what = msg
@@ -405,7 +417,7 @@ class LlamaCppEngine:
                 r.fut.set_result(result)
 
         if not r.cancelled:
-            r.loop.call_soon_threadsafe(deliver)
+            self._done.append((r.loop, deliver))
 
     def _fail_all(self, err: EngineError) -> None:
         for r in [*self._running, *self._waiting]:

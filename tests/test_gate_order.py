@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from runner.gate.gate import gate as gate_module
-from runner.gate.gate import gate_order
+from runner.gate import gate as gate_module
+from runner.gate import gate_order
 from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
 from runner.policies.protocol import ContextList, ToolList
 from tests import reference_gate

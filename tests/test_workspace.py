@@ -1,5 +1,6 @@
-"""Workspaces from a directory or an archive: safe copying and extraction (runner/batch/workspace.py),
-the `workspace` task field, and a batch that starts from them (setup, git base, patch)."""
+"""Workspaces from a directory or an archive: safe copying and extraction
+(runner/batch/workspace.py), the `workspace` task field, and a batch that starts from them
+(setup, git base, patch)."""
 
 from __future__ import annotations
 

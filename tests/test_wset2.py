@@ -247,7 +247,7 @@ def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
 async def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
     # the gate's live view (tiny blocks: many of them) gives the same count as the plain
     # running sum over the same contexts, for holders dropped anywhere among the holders
-    from runner.gate.gate import gate_order
+    from runner.gate import gate_order
     from runner.policies.experimental.wset2 import _fit_dropping
 
     monkeypatch.setattr(gate_order, "LOAD", 2)

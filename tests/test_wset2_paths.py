@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 
-from runner.gate.gate import gate as gate_module
-from runner.gate.gate import gate_order, tool_calls
+from runner.gate import gate as gate_module
+from runner.gate import gate_order, tool_calls
 from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
 from runner.policies.experimental.fit import _capacity
 from runner.policies.experimental.wset2 import (

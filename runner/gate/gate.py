@@ -343,7 +343,8 @@ class Gate:
         """From now on hold each slot holder that comes back from a tool (its context grown
         since its last request) until the first held has waited `seconds` or the held ones'
         growth reaches `tokens`, then let them all go at once, so that the engine prefills
-        them together (runner.policies.protocol.Coalesce); seconds 0: no holding (any held go now)."""
+        them together (runner.policies.protocol.Coalesce); seconds 0: no holding (any held go
+        now)."""
         self._hold_seconds, self._hold_tokens = max(0.0, seconds), tokens
         if not self._hold_seconds:
             self._release_held()

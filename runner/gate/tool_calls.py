@@ -105,9 +105,9 @@ class ToolCalls:
 
 
 class ToolsView:
-    """The holders' tool calls as a policy reads them (runner.policies.protocol.Tools), at the instant
-    it was made: `held_past` walks only the holders it returns (the calls begun longest ago)
-    and finds their places in the keep order through their blocks; `durations` copies a
+    """The holders' tool calls as a policy reads them (runner.policies.protocol.Tools), at
+    the instant it was made: `held_past` walks only the holders it returns (the calls begun
+    longest ago) and finds their places in the keep order through their blocks; `durations` copies a
     sorted array; `fit_dropping` reads the blocks' sums (of all their members and of those
     in a call) and sums the contexts of only the fewer of the holders past the time and
     those in a call short of it."""

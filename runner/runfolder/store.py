@@ -5,8 +5,8 @@
   cut off (and kept in trajectories.jsonl.torn for inspection). Resume skips the task ids
   found. Rewriting it (retried errors, re-scored evals) goes through `rewrite_trajectories`
   only: a new file, fsync'd, renamed over the old one.
-- rollouts.jsonl: the token-level record of each finished agent (runner/runfolder/records.py), written
-  the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
+- rollouts.jsonl: the token-level record of each finished agent (runner/runfolder/records.py),
+  written the same way just BEFORE its trajectory line (the trajectory line is what marks the agent
   done), so a kill can leave rollout lines without a trajectory only at the end of the file
   (one, or a driver's batch); they are cut on open. Rewrites stream (new file, fsync'd,
   renamed): it can be large.

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from runner.cli.parser import build_parser
-from runner.policies.registry import REGISTRY
+from runner.policies.registry import REGISTRY, describe
 
 from .conftest import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def sections(text: str) -> dict[str, list[str]]:
@@ -33,10 +38,29 @@ def test_help_groups_every_option_lists_every_policy_and_shows_no_none():
     assert shown == every
     flat = " ".join(text.split())
     policy_help = flat[flat.index("--policy POLICY NAME") : flat.index("--alpha ALPHA AIMD")]
-    for name in REGISTRY:  # each one whole, not broken across lines
-        assert re.search(rf"[ ;]{re.escape(name)}(:|;| )", policy_help), name
+    for name in REGISTRY:  # each one named whole, not broken across lines
+        assert re.search(rf"[ ;,]{re.escape(name)}(:|;|,| )", policy_help), name
+    assert "run.py policies" in policy_help  # where their parameters are listed
     assert "None" not in text  # no "(default: None)", no "initial=None"
     assert "(default " not in flat  # one wording: "(default: X)"
+
+
+def test_run_py_policies_lists_every_policy_with_its_parameters():
+    out = run_cli("policies").stdout
+    for cls in REGISTRY.values():
+        assert describe(cls) + "\n" in out, cls.name
+    assert "experiment, a slot per agent" in out  # wset, wset2 say what they are
+
+
+def test_the_command_line_imports_no_experimental_policy():
+    """The registry loads an experiment only when it is named: building the parser, even
+    formatting --help, leaves them out (the import contract checks the static imports)."""
+    code = (
+        "import sys; from runner.cli.parser import build_parser; build_parser().format_help(); "
+        "print([m for m in sys.modules if 'policies.experimental' in m])"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
 def test_every_option_has_a_help_text():

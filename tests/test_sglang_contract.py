@@ -982,6 +982,7 @@ def test_cli_helpers(monkeypatch):
     install_fake_sglang(monkeypatch)
     p = argparse.ArgumentParser()
     p.add_argument("--model")
+    p.add_argument("--sampling-arg", action="append", default=[])  # the CLI's engine group
     sg.add_sglang_arguments(p)
     args = p.parse_args(
         [
@@ -994,8 +995,6 @@ def test_cli_helpers(monkeypatch):
             "--sampling-arg",
             "top_k=20",
             "--sglang-sessions",
-            "--sglang-priority",
-            "fifo",
             "--dp-assign",
             "least_loaded",
         ]
@@ -1003,10 +1002,10 @@ def test_cli_helpers(monkeypatch):
     eng = sg.sglang_engine_from_args(args)
     fk = eng._engine
     assert fk.kwargs["dp_size"] == 2 and fk.kwargs["enable_hierarchical_cache"] is True
-    assert fk.kwargs["enable_session_radix_cache"] and fk.kwargs["enable_priority_scheduling"]
+    assert fk.kwargs["enable_session_radix_cache"]
     assert eng._sampling_extra == {"top_k": 20} and eng._dp_assign == "least_loaded"
-    with pytest.raises(ValueError, match="--sglang-priority"):
-        sg.sglang_engine_from_args(p.parse_args(["--model", "m", "--sglang-priority", "high"]))
+    with pytest.raises(SystemExit):  # the rejected priority experiment's flag is gone
+        p.parse_args(["--model", "m", "--sglang-priority", "fifo"])
     with pytest.raises(ValueError, match="needs --model"):
         sg.sglang_engine_from_args(p.parse_args([]))
 

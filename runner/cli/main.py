@@ -85,11 +85,30 @@ def doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
+def policies(argv: list[str]) -> int:
+    """`run.py policies`: every registered policy, its parameters with their defaults
+    (<key>: required, [key]: derived from the others) and what it does."""
+    from ..policies.registry import describe, registered
+
+    if argv:
+        print(f"run.py policies: takes no arguments, got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    for cls in registered().values():
+        kind = "experiment" if ".experimental." in cls.__module__ else "policy"
+        # the docstring's first two lines: what it does (AIMD's second is its law)
+        doc = [x.strip() for x in (cls.__doc__ or "").strip().splitlines() if x.strip()][:2]
+        what = " ".join(doc) if doc and doc[0].endswith(":") else (doc[0] if doc else "")
+        print(f"{describe(cls)}\n    {kind}, a slot per {cls.unit}: {what}")
+    print("\nSet one with --policy NAME:key=value,... (docs/policies.md).")
+    return 0
+
+
 # `run.py NAME ...`: name -> function taking the rest of argv, returning an exit code
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "report": report,
     "export": export,
     "doctor": doctor,
+    "policies": policies,
 }
 
 

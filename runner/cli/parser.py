@@ -31,19 +31,11 @@ AIMD_FLAGS = {  # AIMD field -> its flag
 }
 
 
-POLICY_LIST = "{every policy}"  # filled in by the formatter
-
-
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a default where there is one (never "(default: None)" or of a plain switch, but
     0 and 0.0 are defaults); never breaks a line inside a name (agent-cap, headroom_steps)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.help and POLICY_LIST in action.help:
-            # only when help is shown: listing the policies imports the experimental ones
-            from ..policies.registry import listing
-
-            action.help = action.help.replace(POLICY_LIST, listing())
         unset = action.default is None or action.default is False or action.default == []
         if unset or action.default is argparse.SUPPRESS or "default" in (action.help or ""):
             return action.help or ""
@@ -141,27 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Hugging Face model name/path (sglang)",
     )
     g.add_argument("--n-ctx", type=int, default=8192, help="context window, tokens")
-    g.add_argument(
-        "--pool-tokens",
-        type=int,
-        help="llama.cpp: the KV pool shared by all running agents, tokens (default: all that "
-        "the sequences allocate, --max-seqs x --n-ctx; smaller acts as a smaller memory: "
-        "the engine evicts and preempts to stay within it; logged at start-up)",
-    )
-    g.add_argument(
-        "--max-seqs",
-        type=int,
-        help="llama.cpp: sequences decoded together, at most; each allocates a --n-ctx KV "
-        "stream (default: what a quarter of the free memory holds, at most 16; slots are "
-        "leased: a batch may have more agents)",
-    )
-    g.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="llama.cpp: prompt tokens per engine step, at most (chunked prefill)",
-    )
-    g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: top-p")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens per generation, at most")
@@ -175,7 +146,39 @@ def build_parser() -> argparse.ArgumentParser:
         "llama.cpp (small models rarely write a valid call otherwise), off for sglang (it "
         "would also forbid a reasoning model's <think> block)",
     )
-    add_sglang_arguments(g)
+    g.add_argument(
+        "--sampling-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra sampling parameter for every request (repeatable), e.g. top_k=20: an SGLang "
+        "SamplingParams field or a llama.cpp Llama.generate keyword; checked at start",
+    )
+
+    g = p.add_argument_group("llama.cpp engine (the CPU default; docs/engines.md)")
+    g.add_argument(
+        "--pool-tokens",
+        type=int,
+        help="the KV pool shared by all running agents, tokens (default: all that "
+        "the sequences allocate, --max-seqs x --n-ctx; smaller acts as a smaller memory: "
+        "the engine evicts and preempts to stay within it; logged at start-up)",
+    )
+    g.add_argument(
+        "--max-seqs",
+        type=int,
+        help="sequences decoded together, at most; each allocates a --n-ctx KV "
+        "stream (default: what a quarter of the free memory holds, at most 16; slots are "
+        "leased: a batch may have more agents)",
+    )
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per engine step, at most (chunked prefill)",
+    )
+    g.add_argument("--threads", type=int, help="threads (default: all cores)")
+
+    add_sglang_arguments(p.add_argument_group("SGLang engine (GPU machines; docs/sglang.md)"))
 
     g = p.add_argument_group("simulation (--engine sim)")
     g.add_argument(
@@ -218,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--policy",
         default="aimd",
-        help="NAME or NAME:key=value,...; registered, with their parameters' defaults (<key>: "
-        "required, [key]: derived from the others): " + POLICY_LIST + " (docs/policies.md)",
+        help="NAME or NAME:key=value,...: aimd (the paper's law), none, agent-cap:N, "
+        "request-cap:N, and the experiments wset and wset2; `python run.py policies` lists "
+        "each with its parameters and defaults (docs/policies.md)",
     )
     aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
     g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")

@@ -16,9 +16,10 @@ from .aimd import AIMD
 from .baselines import AgentCap, NoGate, RequestCap
 from .protocol import Policy
 
-# Registered policies, in the order help lists them. A policy's parameters are its
-# dataclass fields; a new policy is one entry here, and `--policy NAME:key=value,...` and the
-# help know it at once. Experiments: (module of experimental/, class), imported when needed.
+# Registered policies, in the order `run.py policies` lists them. A policy's parameters are
+# its dataclass fields; a new policy is one entry here, and `--policy NAME:key=value,...` and
+# `run.py policies` know it at once. Experiments: (module of experimental/, class), imported
+# only when needed.
 _ORDER: tuple[str, ...] = ("aimd", "wset", "wset2", "none", "agent-cap", "request-cap")
 _DEFAULT: dict[str, type[Policy]] = {c.name: c for c in (AIMD, NoGate, AgentCap, RequestCap)}
 _EXPERIMENTAL: dict[str, tuple[str, str]] = {

@@ -105,22 +105,10 @@ def add_sglang_arguments(group: Any) -> None:
         "hicache_ratio=2 radix_eviction_policy=priority; values parse as int/float/bool/str",
     )
     group.add_argument(
-        "--sampling-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra sampling parameter for every request (repeatable), e.g. top_k=20: an SGLang "
-        "SamplingParams field or a llama.cpp Llama.generate keyword; checked at start",
-    )
-    group.add_argument(
         "--sglang-sessions",
         action="store_true",
         help="one SGLang session per agent (session radix cache: the agent's KV is evicted "
         "after unreferenced KV; closed when the agent ends)",
-    )
-    group.add_argument(
-        "--sglang-priority",
-        help="request priority: 'fifo' (agents started earlier first) or an int for all",
     )
     group.add_argument(
         "--dp-assign",
@@ -134,14 +122,6 @@ def sglang_engine_from_args(args: Any) -> SGLangEngine:
     """Build the engine from the flags of `add_sglang_arguments` plus --model."""
     if not getattr(args, "model", None):
         raise ValueError("--engine sglang needs --model (a Hugging Face model name or path)")
-    priority: int | str | None = args.sglang_priority
-    if priority is not None and priority != "fifo":
-        try:
-            priority = int(priority)
-        except ValueError:
-            raise ValueError(
-                f"--sglang-priority must be 'fifo' or an int, got {priority!r}"
-            ) from None
     return SGLangEngine(
         args.model,
         tp_size=args.tp_size,
@@ -150,6 +130,5 @@ def sglang_engine_from_args(args: Any) -> SGLangEngine:
         engine_args=parse_engine_args(args.engine_arg),
         sampling_extra=parse_engine_args(args.sampling_arg, flag="--sampling-arg"),
         sessions=args.sglang_sessions,
-        priority=priority,
         dp_assign=args.dp_assign,
     )

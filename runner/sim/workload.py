@@ -160,9 +160,6 @@ class Workload:
             for i, a in enumerate(self.agents)
         ]
 
-    def tokens_per_agent(self) -> dict[str, int]:
-        return {a.id: a.total_tokens() for a in self.agents}
-
     def as_sent(self, context_limit: int, pool_tokens: int, max_new: int) -> Workload | None:
         """This trace as the simulated engine receives it through the runner: per agent, its
         opening prompt and every reply and observation turn in the runner's own ids

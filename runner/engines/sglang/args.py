@@ -82,7 +82,7 @@ def sglang_available() -> tuple[bool, str]:
 
 
 def add_sglang_arguments(group: Any) -> None:
-    """The SGLang flags, for an argparse group (cli.py's "engine" group)."""
+    """The SGLang flags, for an argparse group (runner/cli/parser.py's SGLang group)."""
     group.add_argument("--tp-size", "--tp", type=int, help="SGLang tensor parallel size")
     group.add_argument(
         "--dp-size",

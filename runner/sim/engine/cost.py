@@ -59,11 +59,6 @@ class ModelSpec:
         return 2 * self.layers * kv_heads * self.head_dim * self.kv_dtype_bytes
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV per token for the whole model (one replica)."""
-        return self.kv_bytes_per_token_per_gpu(1)
-
-    @property
     def weight_bytes(self) -> float:
         return self.params_total * self.weight_bytes_per_param + self.extra_weight_bytes
 

@@ -162,7 +162,6 @@ class RadixCache:
         self.evicted_to_host = 0  # device tokens evicted that stay as host-only nodes
         self.evicted_dropped = 0  # device tokens evicted and gone (no host copy)
         self.host_evicted = 0  # host-only tokens evicted from the host store
-        self.loaded_back = 0
 
     @property
     def protected_tokens(self) -> int:
@@ -304,7 +303,6 @@ class RadixCache:
             moved += len(h.key)
             self._to_device(h)
             self._touch(h, tick)
-        self.loaded_back += moved
         return moved
 
     # ---- locks ----------------------------------------------------------------------

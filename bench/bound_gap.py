@@ -52,7 +52,7 @@ import stress  # noqa: E402
 from runner.policies.registry import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import _totals, longest_prompt, lower_bound, lower_bounds  # noqa: E402
+from runner.sim.oracle import longest_prompt, lower_bound, lower_bounds, totals  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
@@ -75,7 +75,7 @@ def _records() -> list[dict[str, Any]]:
 def _riders(w: Workload, dep: str) -> tuple[float, float]:
     """(the longest agent's tool seconds, the others' prefill seconds at the bound's rate)."""
     cost = CostModel(sim_deployment(dep))
-    tot = _totals(w, cost)
+    tot = totals(w, cost)
     longest = max(range(len(tot.chains)), key=lambda a: tot.chains[a])
     tools = sum(t for t, _, _, a in tot.tools if a == longest)
     segs: list[tuple[int, int]] = []

@@ -34,7 +34,7 @@ from runner.engines.chatml_tokenizer import ChatMLTokenizer  # noqa: E402
 from runner.engines.protocol import SamplingParams  # noqa: E402
 from runner.sim.engine import CostModel, SimEngine, make_sim_engine  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import _totals, lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bound, totals  # noqa: E402
 from runner.sim.vclock import run_virtual  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
@@ -119,7 +119,7 @@ def _options(s: Schedule) -> dict[str, Any]:
 def _simulate(w: Workload, s: Schedule) -> _Run:
     opts = _options(s)
     dep = sim_deployment(DEPLOYMENT, **opts)
-    gate = _Gate(w, s, _totals(w, CostModel(dep)).chains, dep.pool_tokens)
+    gate = _Gate(w, s, totals(w, CostModel(dep)).chains, dep.pool_tokens)
     fresh = itertools.count(FIRST_ID)  # token ids unique to one agent's context
     system = list(range(1, w.system_tokens + 1))
     outputs: list[list[int]] = []  # the next request's output, handed to the model double

@@ -43,7 +43,7 @@ from runner.gate.ordering import longest_first, previous_lengths  # noqa: E402
 from runner.policies.registry import make_policy  # noqa: E402
 from runner.sim.engine import CostModel  # noqa: E402
 from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import _totals, lower_bound  # noqa: E402
+from runner.sim.oracle import lower_bound, totals  # noqa: E402
 from runner.sim.simulate import simulate  # noqa: E402
 from runner.sim.workload import Workload, synthetic  # noqa: E402
 
@@ -72,8 +72,8 @@ def reorder(workload: Workload, run: paper.Run, seed: int, order: str) -> Worklo
     if order == "previous":
         seconds = previous_lengths(folder(run, seed, "dataset")).seconds
     else:  # each agent's own serial chain in the trace: what no run knows beforehand
-        totals = _totals(workload, CostModel(sim_deployment(run.deployment)))
-        seconds = {a.id: c for a, c in zip(workload.agents, totals.chains, strict=True)}
+        tot = totals(workload, CostModel(sim_deployment(run.deployment)))
+        seconds = {a.id: c for a, c in zip(workload.agents, tot.chains, strict=True)}
     return dataclasses.replace(
         workload, agents=longest_first(workload.agents, seconds, lambda a: a.id)
     )

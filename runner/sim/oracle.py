@@ -65,7 +65,7 @@ SHARED_AGENTS = 8  # agents, longest chains first, that _shared_chain_bound is t
 
 
 @dataclass
-class _Totals:
+class Totals:
     """What the bound needs from a workload, in one pass over its steps."""
 
     segments: list[tuple[int, int]] = field(default_factory=list)  # every fresh prefill
@@ -137,8 +137,12 @@ def _reserve(workload: Workload, cost: CostModel, agent: int, template: bool = T
     return want if limit - longest >= want else 0
 
 
-def _totals(workload: Workload, cost: CostModel, template: bool = True) -> _Totals:
-    tot = _Totals()
+def totals(workload: Workload, cost: CostModel, template: bool = True) -> Totals:
+    """The work of a batch the bounds are made of (each agent's chain of steps, the fresh
+    prefill, the decode steps, the admissions): what `lower_bound` sums, for the benchmarks
+    that place it in time (bench/bound_gap.py, bench/order.py,
+    bench/constructed_schedule.py)."""
+    tot = Totals()
     sys_tokens = workload.system_tokens
     if sys_tokens:
         tot.segments.append((0, sys_tokens))
@@ -234,7 +238,7 @@ def lower_bounds(
     if through_runner:
         sent = workload.as_sent(dep.max_context, dep.pool_tokens, MAX_NEW_TOKENS)
         workload = sent or workload
-    tot = _totals(workload, cost, template=workload is not sent)
+    tot = totals(workload, cost, template=workload is not sent)
     sys_tokens, capacity = workload.system_tokens, dep.pool_tokens
     fixed = cost.prefill_fixed  # per prefill iteration: paid once per full chunk here
     chunks = math.ceil(tot.fresh / CHUNK)
@@ -294,7 +298,7 @@ def lower_bounds(
     return out
 
 
-def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
+def _admission_iters(tot: Totals, sys_tokens: int, capacity: int) -> int:
     """Decode iterations the admission rule forces (docs/simulator.md, item 1): a request
     is admitted only while the running ones' contexts, its own, its reserve M and at least
     MIN_RATIO x (M - generated) for each running one fit the pool; so every decode batch has
@@ -306,7 +310,7 @@ def _admission_iters(tot: _Totals, sys_tokens: int, capacity: int) -> int:
     return max(0, math.ceil(tot.admission / room))
 
 
-def _admission_room(tot: _Totals, sys_tokens: int, capacity: int) -> float:
+def _admission_room(tot: Totals, sys_tokens: int, capacity: int) -> float:
     """What one decode batch's admission sum stays below (_admission_iters)."""
     return capacity - sys_tokens - (1 - MIN_RATIO) * tot.reserve_min
 
@@ -319,7 +323,7 @@ def _decode_unit(cost: CostModel) -> tuple[dict[str, float], float, float]:
     return one, base, cost.decode_parts(1, 1)["memory"] - one["memory"]
 
 
-def _widest(tot: _Totals, agents: int, sys_tokens: int, capacity: int) -> int:
+def _widest(tot: Totals, agents: int, sys_tokens: int, capacity: int) -> int:
     """The most requests one decode iteration can hold: one per agent, their private
     contexts within the pool, and the admission rule's sum (_admission_iters)."""
     widest = max(1, agents)
@@ -358,7 +362,7 @@ def _decode_floor(
 
 
 def _shared_chain_bound(
-    cost: CostModel, tot: _Totals, widest: int, agent: int, room: float
+    cost: CostModel, tot: Totals, widest: int, agent: int, room: float
 ) -> float:
     """The agent's chain with the GPU it shares (docs/simulator.md, item 2). Iterations
     without it run during its tools or hold it up: T >= own + riding + max(tools, rest),
@@ -439,7 +443,7 @@ def _least_sum(values: list[tuple[float, int]]) -> Callable[[int], float]:
 
 def _coupled_memory_bounds(
     cost: CostModel,
-    tot: _Totals,
+    tot: Totals,
     agents: int,
     sys_tokens: int,
     capacity: int,
@@ -533,7 +537,7 @@ def _fill(
 
 
 def _drop_items(
-    cost: CostModel, tot: _Totals, sys_tokens: int
+    cost: CostModel, tot: Totals, sys_tokens: int
 ) -> list[tuple[float, float, int, int]]:
     """(tool seconds, seconds per dropped token, tokens, agent) per tool wait. Eviction takes
     leaves, so what an agent loses is a suffix of its context: recomputing x of its n tokens costs

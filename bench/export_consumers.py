@@ -13,7 +13,7 @@ own code reading them (docs/outputs.md).
     python bench/export_consumers.py [--tasks 4 --steps 3]
 
 Writes bench/results/export-consumers.json and .md. Not part of the test suite (minutes,
-and the environment is ~1 GB); tests/test_outputs.py checks the same field names and types
+and the environment is ~1 GB); tests/runfolder/test_outputs.py checks the same field names and types
 (runner/runfolder/export.py's VERL_FIELDS, SKYRL_FIELDS), which this holds against the releases.
 """
 
@@ -129,9 +129,9 @@ def report(res: dict, path: Path) -> None:
         "`<tool_call>{...}</tool_call>` "
         "and nothing beside it, so here the structured rows render the same text as the raw "
         "ones (and train alike); they differ where a model writes prose beside its call "
-        "(tests/test_outputs.py covers that case). verl and SkyRL are read from their wheels, "
-        "not installed: their classes are defined from the released source and validated with "
-        "pydantic, strict (no coercion).",
+        "(tests/runfolder/test_outputs.py covers that case). verl and SkyRL are read from "
+        "their wheels, not installed: their classes are defined from the released source and "
+        "validated with pydantic, strict (no coercion).",
     ]
     path.write_text("\n".join(lines) + "\n")
 

@@ -6,7 +6,7 @@
 For every row, seed and system: pass 1 in the dataset's order (the run bench/paper.py and
 bench/stress.py record), then pass 2, the same batch with its tasks ordered longest first by
 pass 1's trajectories (runner/gate/ordering.py: what `run.py ... --order-from <pass 1's folder>`
-does; tests/test_ordering.py holds the CLI to this script's simulation of it), and, for the
+does; tests/gate/test_ordering.py holds the CLI to this script's simulation of it), and, for the
 first system, the clairvoyant order for reference: longest first by each agent's own serial
 chain in the trace (the oracle's, runner/sim/oracle.py), which no run can know beforehand.
 

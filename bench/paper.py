@@ -298,7 +298,7 @@ def cli_args(run: Run, seed: int) -> list[str]:
 
 def sim_settings(run: Run) -> dict[str, Any]:
     """What `simulate` is given for a run besides its workload, deployment and policy (the CLI
-    must reach every one: tests/test_bench_cli.py)."""
+    must reach every one: tests/integration/test_bench_cli.py)."""
     return {
         "engine_options": engine_options(run),
         "control_period": CONTROL_PERIOD,

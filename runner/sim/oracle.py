@@ -58,7 +58,7 @@ MAX_NEW_TOKENS = 4096  # what the simulated runner asks per request (simulate.SI
 # the least new_token_ratio a run that never retracts sees (schedule_conservativeness 1)
 MIN_RATIO = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
 # template tokens the runner adds to an agent's context, at most (its instructions once, the
-# chat template per turn; tests/test_oracle.py measures them): only used to tell whether the
+# chat template per turn; tests/sim/test_oracle.py measures them): only used to tell whether the
 # engine's clip of max_new_tokens can bind
 TEMPLATE_ONCE, TEMPLATE_PER_TURN = 512, 64
 SHARED_AGENTS = 8  # agents, longest chains first, that _shared_chain_bound is taken over

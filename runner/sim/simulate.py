@@ -117,8 +117,8 @@ def sim_setup(
     resume_rule: str,
     engine_options: dict[str, Any] | None,
 ) -> tuple[SimParts, BatchConfig]:
-    """The tasks, engine and batch settings `simulate` runs (tests/test_bench_cli.py holds the
-    CLI's to them)."""
+    """The tasks, engine and batch settings `simulate` runs
+    (tests/integration/test_bench_cli.py holds the CLI's to them)."""
     parts = sim_parts(workload, deployment, engine_options)
     config = sim_config(
         parts, control_period=control_period, pause_rule=pause_rule, resume_rule=resume_rule

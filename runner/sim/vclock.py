@@ -32,7 +32,7 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 # CPython versions whose asyncio `BaseEventLoop._ready` was checked to behave as
-# has_ready_callbacks assumes (run: tests/test_vclock.py on 3.11, 3.12 and 3.13).
+# has_ready_callbacks assumes (run: tests/sim/test_vclock.py on 3.11, 3.12 and 3.13).
 TESTED_PYTHON = ((3, 11), (3, 13))
 
 
@@ -161,7 +161,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         through public methods would mean re-implementing asyncio's own bookkeeping (call_soon,
         due timers, I/O callbacks, cancelled handles), which is more fragile than reading the
         one deque `BaseEventLoop._ready` (its callbacks to run next). Checked on TESTED_PYTHON
-        by tests/test_vclock.py."""
+        by tests/sim/test_vclock.py."""
         return bool(_ready_queue(self))
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# What pyproject.toml pins (tests/test_native.py checks they agree): the version every test
+# What pyproject.toml pins (tests/engines/test_native.py checks they agree): the version every test
 # ran on, and the one the rebuild commands below reinstall.
 PINNED_VERSION = "0.3.36"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -23,7 +23,7 @@ one synchronous call, made once from `aclose()` in a worker thread.
 sglang is imported lazily inside `SGLangEngine.__init__`, so this package imports (and its
 tests run) on machines without SGLang or a GPU. The command line is in args.py, the
 tokenizer in tokenizer.py. docs/sglang.md lists every SGLang call and key used here with
-the source file it comes from; tests/test_sglang_source.py checks them against the
+the source file it comes from; tests/contract/test_sglang_source.py checks them against the
 released wheel.
 """
 

@@ -4,7 +4,7 @@ Most differences between releases the adapter detects from the running engine
 (`async_generate`'s keywords, `tokenizer_manager.load_snapshot_reader`). The session radix
 cache cannot be detected that way: its server arguments are checked inside `ServerArgs`,
 before any engine exists, so the release number decides. Measured on the wheels of
-0.5.9 to 0.5.23 (tests/test_sglang_source.py re-checks one release of each row):
+0.5.9 to 0.5.23 (tests/contract/test_sglang_source.py re-checks one release of each row):
 
 - before 0.5.15: ServerArgs has no `enable_session_radix_cache` (TypeError at start);
 - 0.5.15, 0.5.16: it exists, and ServerArgs raises unless `radix_eviction_policy="priority"`;

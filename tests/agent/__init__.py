@@ -1,0 +1,1 @@
+"""The agent loop: retries, prefix reuse, step budgets (runner/agent/)."""

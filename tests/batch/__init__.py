@@ -1,0 +1,1 @@
+"""The batch: orchestration, progress, workspaces (runner/batch/)."""

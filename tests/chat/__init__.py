@@ -1,0 +1,1 @@
+"""The tool-call syntax and chat templates (runner/chat/)."""

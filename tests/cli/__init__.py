@@ -1,0 +1,1 @@
+"""The command line: help, options, config files (runner/cli/)."""

@@ -1,0 +1,2 @@
+"""The engines: the CPU engine on the real llama.cpp, and the signals' meanings
+(runner/engines/)."""

@@ -1,0 +1,1 @@
+"""The admission gate, its order, per-rank windows, coalescing, task order (runner/gate/)."""

@@ -1,0 +1,1 @@
+"""The policies, the default and the experiments (runner/policies/)."""

@@ -1,0 +1,1 @@
+"""Reports, timelines and the viewer (runner/report/)."""

@@ -1,0 +1,1 @@
+"""The run folder: the store, record formats, exports, full disks (runner/runfolder/)."""

@@ -1,0 +1,1 @@
+"""One batch over a real Ray cluster on loopback (runner/scaleout/)."""

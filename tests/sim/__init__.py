@@ -1,0 +1,1 @@
+"""The simulator: engine, runs, workloads, bounds, virtual time (runner/sim/)."""

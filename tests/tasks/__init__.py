@@ -1,0 +1,1 @@
+"""Loading tasks, dataset formats, SWE-bench records (runner/tasks/)."""

@@ -50,11 +50,6 @@ def registered() -> dict[str, type[Policy]]:
     return out
 
 
-def listing() -> str:
-    """`name:key=default,...` of every policy, for help texts."""
-    return "; ".join(describe(cls) for cls in registered().values())
-
-
 def __getattr__(name: str) -> Any:
     if name == "REGISTRY":  # every policy by name (imports the experiments)
         return registered()

@@ -177,10 +177,13 @@ def sft_structured_row(rec: dict[str, Any]) -> dict[str, Any]:
     return {"messages": out, "tools": json.loads(rec["tools"])}
 
 
+# the trajectory's own keys a `messages` row carries (then `solved` and `metadata`)
+MESSAGES_KEYS = ("task_id", "task", "sample", "model", "status", "reward", "messages", "tools")
+
+
 def messages_row(rec: dict[str, Any]) -> dict[str, Any]:
-    keys = ("task_id", "task", "sample", "model", "status", "reward", "messages", "tools")
     return {
-        **{k: rec[k] for k in keys},
+        **{k: rec[k] for k in MESSAGES_KEYS},
         "solved": rec["eval"]["solved"],
         "metadata": rec["metadata"],
     }
@@ -270,12 +273,13 @@ def verl_row(roll: dict[str, Any], facts: Facts, p: Piece, reward: float | None)
 
 
 def skyrl_row(roll: dict[str, Any], facts: Facts, p: Piece, reward: float | None) -> dict:
+    assert reward is not None  # check_options refuses --null-reward keep for SkyRL
     if p.step is None:
-        rewards: float | list[float] = float(reward or 0.0)
+        rewards: float | list[float] = float(reward)
     else:  # SkyRL's step-wise rewards: per token, the reward on the last step's final token
         rewards = [0.0] * len(p.response)
         if p.last and p.end >= 0:
-            rewards[p.end] = float(reward or 0.0)
+            rewards[p.end] = float(reward)
     return {
         "prompt_token_ids": p.prompt,
         "response_ids": p.response,
@@ -341,10 +345,8 @@ def row_features(fmt: str, opt: Options = Options()) -> Any:
             m = {**m, "tool_calls": List(call)}
         return datasets.Features({"messages": List(m), "tools": List(Json())})
     if fmt == "messages":
-        keys = ("task_id", "task", "sample", "model", "status", "reward", "messages", "tools")
-        return datasets.Features(
-            {**{k: traj[k] for k in keys}, "solved": roll["solved"], "metadata": traj["metadata"]}
-        )
+        own = {k: traj[k] for k in MESSAGES_KEYS}
+        return datasets.Features({**own, "solved": roll["solved"], "metadata": traj["metadata"]})
     ids = {"task_id": V("string"), "task": V("string"), "sample": V("int64"),
            "status": V("string"), "step": V("int64"), "is_last_step": V("bool")}  # fmt: skip
     if fmt == "verl":
@@ -369,12 +371,23 @@ def source_file(fmt: str) -> str:
     return "rollouts.jsonl" if fmt in RL else "trajectories.jsonl"
 
 
-def rows(runs: list[Path], fmt: str, sel: Selection, opt: Options) -> Iterator[dict[str, Any]]:
+def rows(
+    runs: list[Path],
+    fmt: str,
+    sel: Selection,
+    opt: Options,
+    facts: dict[Path, dict[str, Facts]] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The selected rows of `runs`. RL formats read each run's trajectories for their
+    facts first; `facts` keeps them between passes (the empty-selection check, then the
+    writing) so a large trajectories.jsonl is read once."""
+    facts = {} if facts is None else facts
     for run in runs:
         path = run_file(run, source_file(fmt))
         if fmt in RL:
-            facts = trajectory_facts(run_file(run, "trajectories.jsonl"))
-            yield from rl_rows(path, facts, fmt, sel, opt)
+            if run not in facts:
+                facts[run] = trajectory_facts(run_file(run, "trajectories.jsonl"))
+            yield from rl_rows(path, facts[run], fmt, sel, opt)
             continue
         build = {"sft": sft_row, "sft-structured": sft_structured_row}.get(fmt, messages_row)
         for rec in read_records(path):
@@ -498,7 +511,8 @@ def export(
     how = output_kind(out, kind) if out is not None else "dataset"
     if out is not None and not out.parent.is_dir():
         raise ExportError(f"--out {out}: the folder {out.parent} does not exist")
-    first = next(rows(runs, fmt, sel, opt), None)
+    facts: dict[Path, dict[str, Facts]] = {}
+    first = next(rows(runs, fmt, sel, opt, facts), None)
     if first is None:
         dropped = " (rollouts with a null reward left out: --null-reward drop)"
         raise ExportError(
@@ -514,7 +528,7 @@ def export(
     feats = row_features(fmt, opt)
     work = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out else None))
     try:
-        it = rows(runs, fmt, sel, opt)
+        it = rows(runs, fmt, sel, opt, facts)
         tmp = work / "out"
         if how == "jsonl":
             n = write_jsonl(it, tmp)

@@ -28,11 +28,11 @@ Sampling per request is llama.cpp's own sampler chain, built as llama-cpp-python
 `Llama.generate` builds it (penalties, then greedy, or top-k, typical, top-p, min-p,
 temperature and a seeded draw). The tool-call grammar is checked lazily, as llama.cpp's
 own `common_sampler` does: the chain samples from the free logits, the grammar checks that
-one token, and only a rejected token is sampled again with the grammar over the whole
-vocabulary (greedy: the same token as grammar-first; a draw: the same distribution). The
-valid tokens after a given accepted sequence are kept, so the forced text of a call (its
-`<tool_call>{"name": "` opening, which every agent writes every turn) costs one pass over
-the vocabulary per state, not one per request.
+one token, and only a rejected token is sampled again over the grammar's valid tokens, the
+same as with the grammar over the whole vocabulary (greedy: the same token as grammar-first;
+a draw: the same distribution). The valid tokens after a given accepted text are kept, so
+the forced text of a call (its `<tool_call>{"name": "` opening, which every agent writes
+every turn) costs one read of them per position, not one per request.
 Log-probabilities are the raw logits' log-softmax at the row that produced each token
 (before penalties, grammar and temperature), as before.
 """
@@ -720,22 +720,18 @@ class LlamaCppEngine:
         mask = self._masks.get(key)
         if mask is not None:
             self._masks.move_to_end(key)
-            arr = self._candidates(logits)
-            self._cand["logit"][~mask] = -np.inf
-            self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
-            return int(arr.data[arr.selected].id)
-        if r.enough is not None:
-            top = np.argpartition(logits, -TOP_GRAMMAR)[-TOP_GRAMMAR:].astype(np.int32)
-            top = top[np.lexsort((top, -logits[top]))]  # highest first; ties: the lower id
-            arr = self._candidates(logits, top)
-            self._lc.llama_sampler_apply(r.grammar, ctypes.byref(arr))
-            if int(np.isfinite(self._cand["logit"][:TOP_GRAMMAR]).sum()) >= r.enough:
-                self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
-                return int(arr.data[arr.selected].id)
-        mask = self._valid(r.grammar)
-        self._masks[key] = mask
-        if len(self._masks) > GRAMMAR_MASKS:
-            self._masks.popitem(last=False)
+        else:
+            if r.enough is not None:
+                top = np.argpartition(logits, -TOP_GRAMMAR)[-TOP_GRAMMAR:].astype(np.int32)
+                top = top[np.lexsort((top, -logits[top]))]  # highest first; ties: the lower id
+                arr = self._candidates(logits, top)
+                self._lc.llama_sampler_apply(r.grammar, ctypes.byref(arr))
+                if int(np.isfinite(self._cand["logit"][:TOP_GRAMMAR]).sum()) >= r.enough:
+                    self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
+                    return int(arr.data[arr.selected].id)
+            mask = self._masks[key] = self._valid(r.grammar)
+            if len(self._masks) > GRAMMAR_MASKS:
+                self._masks.popitem(last=False)
         arr = self._candidates(logits)
         self._cand["logit"][~mask] = -np.inf
         self._lc.llama_sampler_apply(r.sampler, ctypes.byref(arr))
@@ -850,14 +846,15 @@ class LlamaCppEngine:
         idle agents' slots are then evicted as their cells would be on a full GPU pool."""
         p = self.pool
         held = p.held_by_busy()
-        busy = sum(1 for s in p.slots if s.state == "busy")
+        cells = held / p.capacity
+        slots = sum(1 for s in p.slots if s.state == "busy") / len(p.slots)
         return CacheStats(
-            usage=max(held / p.capacity, busy / len(p.slots)),
+            usage=max(cells, slots),
             capacity_tokens=p.capacity,
             used_tokens=held,
             extra={
-                "cell_usage": held / p.capacity,
-                "slot_usage": busy / len(p.slots),
+                "cell_usage": cells,
+                "slot_usage": slots,
                 "physical_occupancy": p.used / p.capacity,
                 "used_cells": p.used,
                 "evictable_cells": p.used - held,

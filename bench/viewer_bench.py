@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.report.html import write_html  # noqa: E402
-from tests.browser import chromium  # noqa: E402
+from tests.support.browser import chromium  # noqa: E402
 
 STEPS = 10
 REPLY, OBSERVATION = 300, 1500

@@ -2,15 +2,18 @@
 resolved run.toml read back, the run record in run.json, resuming with other options
 refused."""
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from runner.batch.batch import BatchConfig
 from runner.cli.config import parse_args, resolved, run_record, to_toml
-from runner.cli.main import main
+from runner.cli.main import Plan, main, resume
 from runner.cli.parser import build_parser
 from runner.runfolder.store import RunStore
+from runner.tasks.tasks import Task
 
 
 def toml(tmp_path: Path, text: str) -> Path:
@@ -95,3 +98,16 @@ def test_resume_with_options_that_change_results_is_refused(tmp_path, capsys):
     assert f"--config {out / 'run.toml'}" in err
     again = parse_args(build_parser(), ["--config", str(out / "run.toml")])
     assert again.policy == "aimd" and again.engine == "replay"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_agents_that_ended_in_error_run_again_unless_keep_errors(tmp_path, keep):
+    store = RunStore(tmp_path / "run")
+    store.add_trajectories([{"task_id": "a", "status": "error", "reason": "engine died"}])
+    store.add_trajectories([{"task_id": "b", "status": "submitted"}])
+    tasks = [Task(id=i, messages=[{"role": "user", "content": i}]) for i in "abc"]
+    plan = Plan(tasks, [], "t.jsonl", tmp_path / "run", BatchConfig())
+    todo = resume(argparse.Namespace(keep_errors=keep), plan, store)
+    assert [t.id for t in todo] == (["c"] if keep else ["a", "c"])
+    errors = tmp_path / "run" / "errors.jsonl"
+    assert errors.exists() != keep  # the old line moved aside only when it runs again

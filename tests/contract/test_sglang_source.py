@@ -476,9 +476,9 @@ def test_the_double_returns_only_real_keys_and_fields(recorded):
         assert missing({f.name for f in dataclass_fields(cls)}, real) == []
 
 
-# ---- what each release needs (versions.py, README's table) ------------------------------
+# ---- what each release needs (versions.py, docs/sglang.md's table) ------------------------------
 
-# One release per row of versions.session_requirements and of README's versions table:
+# One release per row of versions.session_requirements and of docs/sglang.md's versions table:
 # (DP keyword, U from load_snapshot_reader).
 RELEASES = {
     "0.5.9": ("data_parallel_rank", False),

@@ -1,6 +1,6 @@
 """Where each bench row's time goes beyond its oracle lower bound, from recorded engine counters.
 
-    python bench/bound_gap.py      # reads bench/results/paper.json and stress.json
+    python -m bench.bound_gap      # reads bench/results/paper/paper.json, stress/stress.json
 
 For the candidate policy's run (and the fastest run with a host tier) of every row: its
 prefill seconds (fresh + recomputed), decode seconds and iterations, host loads and idle time,
@@ -9,26 +9,29 @@ and the least number of decode iterations it proves). The decode iterations beyo
 times one iteration's fixed cost (weights, launch, all-reduce latency), is the part of the gap
 that comes from small decode batches. For chain-bound rows it also shows the longest agent's
 tool seconds against the other agents' prefill: work that cannot ride in that agent's decode
-iterations and has to run during its tools or stall it. Writes bench/results/bound_gap.md.
+iterations and has to run during its tools or stall it. Writes
+bench/results/bound-gap/bound_gap.md.
 
-    python bench/bound_gap.py --unbounded   # also simulates each row's candidate run again
+    python -m bench.bound_gap --unbounded   # also simulates each row's candidate run again
 
 `--unbounded` reruns the candidate on every row with a GPU memory so large that the KV pool
 holds every agent's whole context at once (nothing is ever evicted; same cost model, same
-settings otherwise), and writes bench/results/bound_gap-unbounded.json; the report then splits
-each row's gap into the part the pool causes (device run against the unbounded run) and the
-part that remains without any memory limit (the unbounded run against its own bound).
+settings otherwise), and writes bench/results/bound-gap/bound_gap-unbounded.json; the report
+then splits each row's gap into the part the pool causes (device run against the unbounded
+run) and the part that remains without any memory limit (the unbounded run against its own
+bound).
 
-    python bench/bound_gap.py --pool        # also simulates each row's candidate run again
+    python -m bench.bound_gap --pool        # also simulates each row's candidate run again
 
-`--pool` reruns the candidate on its own pool and writes bench/results/bound_gap-pool.json;
-the report then shows where the pool's token-seconds went (the simulator's
-`kv_token_seconds_*`): KV locked by running requests during decode and during prefill
-iterations, cached but unlocked, and free, each over the pool's capacity (so in seconds,
-adding up to the run's), and the run's tail (from the last control period with an agent
-waiting at the gate to the end: the pool is no longer full) with the mean KV usage before it
-and in it; beside it the unbounded run's token-seconds (`--unbounded`) over the same device
-capacity: what the schedule would hold with nothing evicted.
+`--pool` reruns the candidate on its own pool and writes
+bench/results/bound-gap/bound_gap-pool.json; the report then shows where the pool's
+token-seconds went (the simulator's `kv_token_seconds_*`): KV locked by running requests
+during decode and during prefill iterations, cached but unlocked, and free, each over the
+pool's capacity (so in seconds, adding up to the run's), and the run's tail (from the last
+control period with an agent waiting at the gate to the end: the pool is no longer full)
+with the mean KV usage before it and in it; beside it the unbounded run's token-seconds
+(`--unbounded`) over the same device capacity: what the schedule would hold with nothing
+evicted.
 """
 
 from __future__ import annotations
@@ -38,35 +41,30 @@ import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import paper_runs, stress_runs
+from bench.common.paths import BOUND_GAP_RESULTS, PAPER_RESULTS, STRESS_RESULTS, STRESS_RUNS
+from bench.common.rows import every_row, host_run
+from runner.policies.registry import make_policy
+from runner.sim.engine import CostModel
+from runner.sim.engine import deployment as sim_deployment
+from runner.sim.oracle import longest_prompt, lower_bound, lower_bounds, totals
+from runner.sim.simulate import simulate
+from runner.sim.workload import Workload, synthetic
 
-import bounds  # noqa: E402
-import paper  # noqa: E402
-import stress  # noqa: E402
-
-from runner.policies.registry import make_policy  # noqa: E402
-from runner.sim.engine import CostModel  # noqa: E402
-from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import longest_prompt, lower_bound, lower_bounds, totals  # noqa: E402
-from runner.sim.simulate import simulate  # noqa: E402
-from runner.sim.workload import Workload, synthetic  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = BOUND_GAP_RESULTS
 UNBOUNDED = RESULTS / "bound_gap-unbounded.json"
 POOL = RESULTS / "bound_gap-pool.json"
+# the reruns' folders: the stress suite's run folders, as ever (names end -unbounded, -pool)
+RUNS = STRESS_RUNS
 HOLDERS = ("decoding", "prefilling", "cached", "free")  # the simulator's kv_token_seconds_*
 CANDIDATE = "wset2"
 
 
 def _records() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for name in ("paper.json", "stress.json", "wset2-paper.json", "wset2-stress.json"):
-        path = RESULTS / name
+    for path in (PAPER_RESULTS / "paper.json", STRESS_RESULTS / "stress.json"):
         if path.exists():
             out += json.loads(path.read_text())
     return out
@@ -123,9 +121,9 @@ def _unbounded_gpu(w: Workload, dep: str) -> dict[str, Any]:
     return {"gpu": gpu, "max_total_tokens": None}
 
 
-def _candidate_runs() -> list[paper.Run]:
-    runs = [r for r in paper.plan(None, quick=True) if r.system == CANDIDATE]
-    return runs + stress.plan(None, [CANDIDATE])
+def _candidate_runs() -> list[paper_runs.Run]:
+    runs = [r for r in paper_runs.plan(None, quick=True) if r.system == CANDIDATE]
+    return runs + stress_runs.plan(None, [CANDIDATE])
 
 
 def simulate_unbounded() -> list[dict[str, Any]]:
@@ -134,10 +132,10 @@ def simulate_unbounded() -> list[dict[str, Any]]:
     for run in _candidate_runs():
         w = synthetic(run.workload, seed=0)
         changes = _unbounded_gpu(w, run.deployment)
-        settings = paper.sim_settings(run)
+        settings = paper_runs.sim_settings(run)
         settings["engine_options"] = {**settings["engine_options"], **changes}
-        dest = paper.RUNS / f"{run.name}-unbounded"
-        r = simulate(w, run.deployment, make_policy(paper.policy_spec(run)), dest,
+        dest = RUNS / f"{run.name}-unbounded"
+        r = simulate(w, run.deployment, make_policy(paper_runs.policy_spec(run)), dest,
                      label=run.system, **settings)  # fmt: skip
         e = r.to_json()["engine"]
         bound = lower_bound(w, run.deployment, **changes)["bound_seconds"]
@@ -169,11 +167,11 @@ def simulate_pool() -> list[dict[str, Any]]:
     out = []
     for run in _candidate_runs():
         w = synthetic(run.workload, seed=0)
-        dest = paper.RUNS / f"{run.name}-pool"
+        dest = RUNS / f"{run.name}-pool"
         held: list[tuple[float, float]] = []
-        policy = _logging(make_policy(paper.policy_spec(run)), held)
+        policy = _logging(make_policy(paper_runs.policy_spec(run)), held)
         r = simulate(w, run.deployment, policy, dest, label=run.system,
-                     **paper.sim_settings(run))  # fmt: skip
+                     **paper_runs.sim_settings(run))  # fmt: skip
         e = r.to_json()["engine"]
         lines = [json.loads(x) for x in (dest / "control.jsonl").read_text().splitlines()]
         tail = _tail(lines, r.sim_seconds)
@@ -213,7 +211,7 @@ def _pool_table(
     """Where each row's pool token-seconds went, on the device and with nothing evicted."""
     free_of = {u["config"]: u for u in unbounded or []}
     out = ["", f"## Where {CANDIDATE}'s pool token-seconds go", ""]
-    out += ["`python bench/bound_gap.py --pool`: the candidate's run again on its own pool, "
+    out += ["`python -m bench.bound_gap --pool`: the candidate's run again on its own pool, "
             "its KV pool's token-seconds split by what held them (the simulator's "
             "`kv_token_seconds_*`), each over the pool's capacity: seconds of the whole pool, "
             "adding up to the run's seconds. `decoding`: KV locked by the running requests "
@@ -263,7 +261,7 @@ def _unbounded_table(
         if r["system"] == CANDIDATE:
             device.setdefault(r["config"], r)
     out = ["", f"## {CANDIDATE} with a pool that never fills", ""]
-    out += ["`python bench/bound_gap.py --unbounded`: the same run on a GPU whose KV pool holds "
+    out += ["`python -m bench.bound_gap --unbounded`: the same run on a GPU whose KV pool holds "
             "every context at once (nothing evicted), beside the device run. `pool part` is "
             "device run / unbounded run, `rest` the unbounded run / its own bound (the part no "
             "memory explains); their product times the unbounded bound / the device bound is "
@@ -296,7 +294,7 @@ def report(
         by_row.setdefault(r["config"], []).append(r)
     out = ["# Where the time goes beyond the lower bound", ""]
     out += [
-        "Generated by `python bench/bound_gap.py`. "
+        "Generated by `python -m bench.bound_gap`. "
         + " ".join((__doc__ or "").split("\n\n")[2].split()),
         "",
     ]
@@ -306,14 +304,14 @@ def report(
     chains = ["", "| chain-bound row | chain s | shared chain s | longest agent's tools s | "
               "others' prefill s |", "|---|---|---|---|---|"]  # fmt: skip
     rows: dict[str, tuple[str, Workload, str, float]] = {}
-    for key, title, dep, wl in bounds.rows():
+    for key, title, dep, wl in every_row():
         w = synthetic(wl, seed=0)
         b, bh = lower_bounds(w, dep)
         rows[key] = (title, w, dep, b["bound_seconds"])
         fixed = CostModel(sim_deployment(dep)).decode(1, 0)
         runs = by_row.get(key, [])
         cand = next((r for r in runs if r["system"] == CANDIDATE), None)
-        hosts = [r for r in runs if bounds.host_run(r)]
+        hosts = [r for r in runs if host_run(r)]
         host = min(hosts, key=lambda r: r["sim_seconds"], default=None)
         out.append(_row(title, cand, b, fixed))
         out.append(_row(title, host, bh, fixed))
@@ -343,8 +341,9 @@ def main() -> int:
     args = p.parse_args()
     records = _records()
     if not records:
-        print(f"no results in {RESULTS}")
+        print(f"no results in {PAPER_RESULTS} or {STRESS_RESULTS}")
         return 1
+    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.unbounded:
         UNBOUNDED.write_text(json.dumps(simulate_unbounded(), indent=1) + "\n")
     if args.pool:

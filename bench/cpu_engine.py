@@ -19,7 +19,7 @@ by side in one run on one machine, model and thread count (issue 28 a-d).
     everything (the no-contention reference): batch seconds, hit rate, evictions,
     preemptions, recomputed tokens.
 
-    python bench/cpu_engine.py [--parts a,b,c,d] [--out bench/results/cpu-engine.json]
+    python -m bench.cpu_engine [--parts a,b,c,d] [--out bench/results/cpu-engine/cpu-engine.json]
 
 Every figure is measured here, each (a) and (b) figure in a process of its own; the results
 file keeps them with the machine, its load and the commit, by the parts each run measured.
@@ -40,12 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.engines.llama_cpp import LlamaCppEngine, default_model_path, native  # noqa: E402
-from runner.engines.llama_cpp.batch import NativeBatch  # noqa: E402
-from runner.engines.protocol import SamplingParams  # noqa: E402
+from bench.common.paths import CPU_ENGINE_RESULTS, ROOT
+from runner.engines.llama_cpp import LlamaCppEngine, default_model_path, native
+from runner.engines.llama_cpp.batch import NativeBatch
+from runner.engines.protocol import SamplingParams
 
 LONG_CALL = json.dumps({"type": "object", "required": ["name", "arguments"], "properties": {
     "name": {"type": "string", "enum": ["bash"]},
@@ -127,7 +125,8 @@ async def engine(b: int, prompt: int, gen: int, threads: int, grammar: bool) -> 
 def fresh(kind: str, args: list) -> dict:
     """(a) or (b) in a process of its own: a context created and freed earlier in the same
     process slowed the engine's decode by a quarter (measured: 130 against 174 tok/s)."""
-    out = subprocess.run([sys.executable, __file__, "--measure", json.dumps([kind, args])],
+    out = subprocess.run([sys.executable, "-m", "bench.cpu_engine", "--measure",
+                          json.dumps([kind, args])],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout  # fmt: skip
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -142,11 +141,9 @@ def one(spec: dict) -> None:
     constructor spent in it (llama.cpp clears the KV it allocates: engine work)."""
     mod: Any
     if spec["engine"] == "one-at-a-time":
-        sys.path.insert(0, str(ROOT / "bench"))
-        import one_at_a_time
-        from one_at_a_time import main as run_main
+        from bench import one_at_a_time
 
-        mod = one_at_a_time
+        mod, run_main = one_at_a_time, one_at_a_time.main
     else:
         from runner.cli.main import main as run_main
         from runner.engines.llama_cpp import engine as batched
@@ -173,7 +170,8 @@ def batch(name: str, engine_kind: str, argv: list[str], tmp: Path) -> dict:
     spec = {"engine": engine_kind, "argv": [*argv, "--out", str(out), "--quiet"],
             "result": str(res)}  # fmt: skip
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--one", json.dumps(spec)], cwd=ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "bench.cpu_engine", "--one", json.dumps(spec)],
+                         cwd=ROOT)  # fmt: skip
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     child = json.loads(res.read_text()) if res.is_file() else {"rc": status}
@@ -212,7 +210,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=7, help="(c), (d): agents per swe.jsonl task")
     p.add_argument("--steps-c", type=int, default=5, help="(c): --max-steps")
     p.add_argument("--steps-d", type=int, default=8, help="(d): --max-steps")
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu-engine.json")
+    p.add_argument("--out", type=Path, default=CPU_ENGINE_RESULTS / "cpu-engine.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--measure", help=argparse.SUPPRESS)
     a = p.parse_args()

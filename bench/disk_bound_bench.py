@@ -12,12 +12,12 @@ For each kind, in one run:
   reached (from the filesystem for exact kinds, from a du-like walk for the watch);
 - RAM held by a full workspace (Shmem in /proc/meminfo, the page cache of the image).
 
-    python bench/disk_bound_bench.py [--workspaces 30] [--limit-mib 256] [--reps 40] [--rounds 5]
+    python -m bench.disk_bound_bench [--workspaces 30] [--limit-mib 256] [--reps 40] [--rounds 5]
 
 Needs root, bubblewrap and e2fsprogs; run it under the sandbox lock (`flock
 /tmp/concur-sandbox.lock`): its uids (251000+) are in a uid block no run leases, so another
 run's start-up sweep would kill its commands. Prints a table and writes
-bench/results/disk_bound.json.
+bench/results/disk-bound/disk_bound.json.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ import os
 import platform
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common.paths import DISK_BOUND_RESULTS
 from tools.sandbox import (
     FS_KINDS,
     BwrapSandbox,
@@ -48,7 +46,7 @@ from tools.sandbox import (
 from tools.sandbox.filesystem import disk_usage
 from tools.sandbox.workspaces import space, workspace_bound
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = DISK_BOUND_RESULTS
 UID0 = 251000  # clear of the batch (200000+), test (210000-239999) and sandbox bench uids
 MiB = 2**20
 
@@ -242,6 +240,6 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=5, help="dd rounds per kind (median)")
     res = asyncio.run(main(ap.parse_args()))
     print(table(res))
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "disk_bound.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {RESULTS / 'disk_bound.json'}")

@@ -1,11 +1,11 @@
-"""Export memory and rollout size: `python bench/export_bench.py [--n 50000]`.
+"""Export memory and rollout size: `python -m bench.export_bench [--n 50000]`.
 
 Writes a synthetic run folder (format-2 trajectories and rollouts built with
 runner/runfolder/records.py; SmolLM2-sized token ids, logprobs on generated tokens), then runs
 `run.py export` for each format and output kind in a fresh process and reads its peak RSS;
 the same at n/10 shows whether memory grows with the run. Also the size of rollouts.jsonl
 per 1,000 tokens, against the same rows as Parquet (zstd). Results:
-bench/results/export.json.
+bench/results/export/export.json.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.runfolder.records import message, rollout_record, tool_call, trajectory  # noqa: E402
+from bench.common.paths import EXPORT_RESULTS, ROOT
+from runner.runfolder.records import message, rollout_record, tool_call, trajectory
 
 VOCAB = 49152
 STEPS = 4
@@ -77,8 +75,9 @@ def synthetic_run(folder: Path, n: int, seed: int = 0) -> int:
     return tokens
 
 
+# run in ROOT: `python -c` imports from the working directory first, so this checkout's runner
 PEAK = (
-    "import resource, sys; sys.path.insert(0, {root!r}); from runner.runfolder.export import main; "
+    "import resource, sys; from runner.runfolder.export import main; "
     "rc = main({argv!r}); "
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
 )
@@ -88,7 +87,8 @@ def peak_rss_mb(argv: list[str]) -> tuple[float, float]:
     """Peak RSS (MiB) and seconds of one export in a fresh process."""
     t0 = time.monotonic()
     p = subprocess.run(
-        [sys.executable, "-c", PEAK.format(root=str(ROOT), argv=argv)],
+        [sys.executable, "-c", PEAK.format(argv=argv)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
@@ -139,7 +139,8 @@ def main() -> None:
             shutil.rmtree(run)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = ROOT / "bench" / "results" / "export.json"
+    EXPORT_RESULTS.mkdir(parents=True, exist_ok=True)
+    out = EXPORT_RESULTS / "export.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -9,12 +9,13 @@ own code reading them (docs/outputs.md).
    assistant_only_loss; verl's AgentLoopOutput built from every verl row; SkyRL's
    GeneratorOutput from the skyrl rows; classes as released (their wheels' source).
 
-    python bench/export_consumers.py --setup          # once: the environment (PyPI)
-    python bench/export_consumers.py [--tasks 4 --steps 3]
+    python -m bench.export_consumers --setup          # once: the environment (PyPI)
+    python -m bench.export_consumers [--tasks 4 --steps 3]
 
-Writes bench/results/export-consumers.json and .md. Not part of the test suite (minutes,
-and the environment is ~1 GB); tests/runfolder/test_outputs.py checks the same field names and types
-(runner/runfolder/export.py's VERL_FIELDS, SKYRL_FIELDS), which this holds against the releases.
+Writes bench/results/export-consumers/export-consumers.json and .md. Not part of the test
+suite (minutes, and the environment is ~1 GB); tests/runfolder/test_outputs.py checks the same
+field names and types (runner/runfolder/export.py's VERL_FIELDS, SKYRL_FIELDS), which this
+holds against the releases.
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.engines.llama_cpp import native  # noqa: E402
-from runner.runfolder.export import SKYRL_SOURCE, VERL_SOURCE  # noqa: E402
-from runner.runfolder.export import main as export  # noqa: E402
+from bench.common.paths import EXPORT_CONSUMERS_RESULTS, ROOT
+from runner.engines.llama_cpp import native
+from runner.runfolder.export import SKYRL_SOURCE, VERL_SOURCE
+from runner.runfolder.export import main as export
 
 HERE = Path(__file__).resolve().parent / "consumers"
 WHEELS = ("verl==0.9.1", "skyrl==0.3.0")  # the releases export.py's rows were read from
@@ -81,7 +80,7 @@ def report(res: dict, path: Path) -> None:
     c = res["checks"]
     v = res["versions"]
     lines = [
-        "# Do the trainers take the exports unchanged? (`python bench/export_consumers.py`)",
+        "# Do the trainers take the exports unchanged? (`python -m bench.export_consumers`)",
         "",
         f"One real batch ({res['run']['agents']} agents of swe.jsonl, up to "
         f"{res['run']['steps']} steps, SmolLM2-135M on llama.cpp, real bash tools), "
@@ -142,14 +141,14 @@ def main() -> None:
     p.add_argument("--setup", action="store_true", help="create the environment, then stop")
     p.add_argument("--tasks", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/export-consumers.json")
+    p.add_argument("--out", type=Path, default=EXPORT_CONSUMERS_RESULTS / "export-consumers.json")
     a = p.parse_args()
     if a.setup:
         setup(a.venv)
         return
     py = a.venv / "bin/python"
     if not py.exists():
-        raise SystemExit(f"{py} missing: run `python bench/export_consumers.py --setup` first")
+        raise SystemExit(f"{py} missing: run `python -m bench.export_consumers --setup` first")
     with tempfile.TemporaryDirectory(prefix="consumers-") as d:
         tmp = Path(d)
         run = real_run(tmp, a.tasks, a.steps)
@@ -169,6 +168,7 @@ def main() -> None:
     res |= {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "run": {"agents": a.tasks, "steps": a.steps, "export_rows": rows,
                     "statuses": summary.get("agents")}}  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     report(res, a.out.with_suffix(".md"))
     print(f"wrote {a.out} and {a.out.with_suffix('.md')}")

@@ -1,4 +1,4 @@
-"""Event-loop lag while 1,000 agents finish at once: `python bench/loop_lag.py [--agents 1000]`.
+"""Event-loop lag while 1,000 agents finish at once: `python -m bench.loop_lag [--agents 1000]`.
 
 Each agent writes what a finished agent writes (its rollouts.jsonl line, then its
 trajectory line, each one write() and fsync'd) into a fresh run folder on a real disk, all
@@ -15,8 +15,8 @@ Three ways, side by side in one run, alternating over --rounds:
   run on the store's one writer thread.
 
 Prints the worst lag and the p99 of the probe's lags, and how long until every agent was
-recorded; writes bench/results/loop_lag.json. The folder must be on a real disk (fsync on
-tmpfs costs nothing): --dir, default the system temp dir (refused if it is a tmpfs).
+recorded; writes bench/results/loop-lag/loop_lag.json. The folder must be on a real disk
+(fsync on tmpfs costs nothing): --dir, default the system temp dir (refused if it is a tmpfs).
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ from typing import Any
 import aiofiles
 import aiofiles.os
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.runfolder.records import rollout_record, trajectory  # noqa: E402
-from runner.runfolder.store import FORMAT_VERSION, RunStore  # noqa: E402
+from bench.common.paths import LOOP_LAG_RESULTS
+from runner.runfolder.records import rollout_record, trajectory
+from runner.runfolder.store import FORMAT_VERSION, RunStore
 
 PROBE_S = 0.001
 PROMPT_TOKENS, RESPONSE_TOKENS = 1000, 1000  # one agent's rollout: 2,000 tokens
@@ -147,7 +145,7 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where the run folders go")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loop_lag.json")
+    ap.add_argument("--out", type=Path, default=LOOP_LAG_RESULTS / "loop_lag.json")
     args = ap.parse_args()
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ attention off (`Llama`'s default), the grammar applied to every token. As now: t
 loads with the same extra-buffer-type choice as the batched engine (`native.load_choice`),
 so both run the same kernels.
 
-    python bench/one_at_a_time.py RUN.PY-OPTIONS...   # run.py with this engine as llama.cpp
+    python -m bench.one_at_a_time RUN.PY-OPTIONS...   # run.py with this engine as llama.cpp
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runner.chat import toolcall
 from runner.chat.template import ChatTemplate

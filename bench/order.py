@@ -1,10 +1,10 @@
 """A second pass over the same tasks, the longest first by the first pass (`--order-from`).
 
-    python bench/order.py                       # every paper and stress row, wset2 and aimd
-    python bench/order.py --rows qwen-tp8 --systems wset2 --seeds 0,1
+    python -m bench.order                       # every paper and stress row, wset2 and aimd
+    python -m bench.order --rows qwen-tp8 --systems wset2 --seeds 0,1
 
-For every row, seed and system: pass 1 in the dataset's order (the run bench/paper.py and
-bench/stress.py record), then pass 2, the same batch with its tasks ordered longest first by
+For every row, seed and system: pass 1 in the dataset's order (the run bench.paper and
+bench.stress record), then pass 2, the same batch with its tasks ordered longest first by
 pass 1's trajectories (runner/gate/ordering.py: what `run.py ... --order-from <pass 1's folder>`
 does; tests/gate/test_ordering.py holds the CLI to this script's simulation of it), and, for the
 first system, the clairvoyant order for reference: longest first by each agent's own serial
@@ -15,8 +15,8 @@ work, so pass 1 predicts each task's length perfectly up to the batching it ran 
 model's next pass over the same tasks samples again (another RL epoch, another seed), and its
 lengths follow the previous ones only as far as the tasks decide them; the gain measured here
 is what the order is worth when they do. Every run is checked for the same work as its pass 1
-and against the row's lower bound. Writes bench/results/order.json and order.md; simulated
-seconds from the simulator's cost model, not from real GPUs.
+and against the row's lower bound. Writes bench/results/order/order.json and order.md;
+simulated seconds from the simulator's cost model, not from real GPUs.
 """
 
 from __future__ import annotations
@@ -26,47 +26,41 @@ import dataclasses
 import json
 import multiprocessing as mp
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import paper_runs, stress_runs
+from bench.common.paths import ORDER_RESULTS, ORDER_RUNS
+from bench.common.rows import every_row
+from runner.gate.ordering import longest_first, previous_lengths
+from runner.policies.registry import make_policy
+from runner.sim.engine import CostModel
+from runner.sim.engine import deployment as sim_deployment
+from runner.sim.oracle import lower_bound, totals
+from runner.sim.simulate import simulate
+from runner.sim.workload import Workload, synthetic
 
-import bounds  # noqa: E402
-import paper  # noqa: E402
-import stress  # noqa: E402
-
-from runner.gate.ordering import longest_first, previous_lengths  # noqa: E402
-from runner.policies.registry import make_policy  # noqa: E402
-from runner.sim.engine import CostModel  # noqa: E402
-from runner.sim.engine import deployment as sim_deployment  # noqa: E402
-from runner.sim.oracle import lower_bound, totals  # noqa: E402
-from runner.sim.simulate import simulate  # noqa: E402
-from runner.sim.workload import Workload, synthetic  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-ROWS = {key: (title, dep, wl) for key, title, dep, wl in bounds.rows()}  # every paper, stress row
-RUNS = ROOT / "outputs" / "bench-order"
+RESULTS = ORDER_RESULTS
+ROWS = {key: (title, dep, wl) for key, title, dep, wl in every_row()}  # every paper, stress row
+RUNS = ORDER_RUNS
 ORDERS = ("dataset", "previous", "clairvoyant")
 
 
-def bench_run(key: str, system: str) -> paper.Run:
-    """The run bench/paper.py or bench/stress.py makes of this row and system."""
-    runs = [r for r in stress.plan(key, [system])]
-    runs += [r for r in paper.plan(key, True) if r.system == system] if not runs else []
+def bench_run(key: str, system: str) -> paper_runs.Run:
+    """The run bench.paper or bench.stress makes of this row and system."""
+    runs = [r for r in stress_runs.plan(key, [system])]
+    runs += [r for r in paper_runs.plan(key, True) if r.system == system] if not runs else []
     if not runs:
         raise SystemExit(f"no {system} run on row {key}")
     return runs[0]
 
 
-def folder(run: paper.Run, seed: int, order: str) -> Path:
+def folder(run: paper_runs.Run, seed: int, order: str) -> Path:
     return RUNS / f"{run.config}-{run.system}-s{seed}-{order}"
 
 
-def reorder(workload: Workload, run: paper.Run, seed: int, order: str) -> Workload:
+def reorder(workload: Workload, run: paper_runs.Run, seed: int, order: str) -> Workload:
     if order == "dataset":
         return workload
     if order == "previous":
@@ -79,13 +73,15 @@ def reorder(workload: Workload, run: paper.Run, seed: int, order: str) -> Worklo
     )
 
 
-def execute(job: tuple[paper.Run, int, str]) -> dict[str, Any]:
+def execute(job: tuple[paper_runs.Run, int, str]) -> dict[str, Any]:
     run, seed, order = job
     workload = reorder(synthetic(run.workload, seed=seed), run, seed, order)
     out = folder(run, seed, order)
-    policy = make_policy(paper.policy_spec(run))
-    r = simulate(workload, run.deployment, policy, out, label=run.system, **paper.sim_settings(run))
-    cli = paper.cli_args(run, seed)
+    policy = make_policy(paper_runs.policy_spec(run))
+    r = simulate(
+        workload, run.deployment, policy, out, label=run.system, **paper_runs.sim_settings(run)
+    )
+    cli = paper_runs.cli_args(run, seed)
     cli = cli if order == "dataset" else [*cli, "--order-from", str(folder(run, seed, "dataset"))]
     print(f"  {out.name:44s} {r.sim_seconds:9.1f} sim s  ({r.wall_seconds:.1f} s wall)", flush=True)
     return {
@@ -94,7 +90,7 @@ def execute(job: tuple[paper.Run, int, str]) -> dict[str, Any]:
         "seed": seed,
         "order": order,
         "sim_seconds": r.sim_seconds,
-        "work_digest": paper.work_digest(r.work),
+        "work_digest": paper_runs.work_digest(r.work),
         "recompute_seconds": r.to_json()["engine"]["seconds_prefill_recompute"],
         "cli": None if order == "clairvoyant" else "python run.py " + shlex.join(cli),
     }
@@ -104,8 +100,8 @@ def report(records: list[dict[str, Any]], systems: list[str], seeds: list[int], 
     by = {(r["row"], r["system"], r["seed"], r["order"]): r for r in records}
     out = ["# A second pass, the longest tasks first (`--order-from`)", ""]
     out.append(
-        f"Generated by `python bench/order.py` ({len(records)} simulated runs, {wall:,.0f} s of "
-        "wall time). Pass 1: the dataset's order (the runs bench/paper.py and bench/stress.py "
+        f"Generated by `python -m bench.order` ({len(records)} simulated runs, {wall:,.0f} s of "
+        "wall time). Pass 1: the dataset's order (the runs bench.paper and bench.stress "
         "record); pass 2: the same tasks ordered longest first by pass 1's generating and tool "
         "seconds (`run.py --order-from`); clairvoyant: by each agent's own chain in the trace, "
         f"for {systems[0]} only, which no run knows. Assumption: the simulator's second pass "
@@ -145,7 +141,7 @@ def main() -> None:
     p.add_argument("--systems", default="wset2,aimd", help="bench systems, comma-separated")
     p.add_argument("--seeds", default="0", help="comma-separated workload seeds")
     p.add_argument("--jobs", type=int, default=max(1, min(2, mp.cpu_count())))
-    p.add_argument("--out", default="order", help="results name under bench/results/")
+    p.add_argument("--out", default="order", help="results name under bench/results/order/")
     a = p.parse_args()
     keys = a.rows.split(",") if a.rows else list(ROWS)
     systems, seeds = a.systems.split(","), [int(s) for s in a.seeds.split(",")]
@@ -160,7 +156,7 @@ def main() -> None:
         later += [(r, sd, "clairvoyant") for r, sd in runs if r.system == systems[0]]
         records += pool.map(execute, later, chunksize=1)
     wall = time.monotonic() - start
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.out}.json").write_text(json.dumps(records, indent=1) + "\n")
     text = report(records, systems, seeds, wall)
     (RESULTS / f"{a.out}.md").write_text(text)

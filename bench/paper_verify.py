@@ -1,15 +1,16 @@
-"""Rerun some runs of bench/paper.py and bench/stress.py; compare them with the committed
-paper.json and stress.json (and wset2-paper.json, wset2-stress.json for the wset2 runs).
+"""Rerun some runs of bench.paper and bench.stress; compare them with the committed
+paper.json and stress.json (bench/results/paper/, bench/results/stress/).
 
-    python bench/paper_verify.py RUN [RUN ...] [--jobs 2]
-    python bench/paper_verify.py --preset gate       # the subset that exercises the gate
-    python bench/paper_verify.py --preset wset2      # wset2's runs, those that drop KV first
-    python bench/paper_verify.py --cli --preset cli  # each kind of run, through run.py
+    python -m bench.paper_verify RUN [RUN ...] [--jobs 2]
+    python -m bench.paper_verify --preset gate       # the subset that exercises the gate
+    python -m bench.paper_verify --preset wset2      # wset2's runs, those that drop KV first
+    python -m bench.paper_verify --cli --preset cli  # each kind of run, through run.py
 
 For a change that must not move any decision (the gate's data structures, a refactor): every
 run must give the same simulated seconds, work digest, hit rate, engine counters and gate
 summary (pauses, resumes, window, branches, seconds paused) as its record in
-bench/results/paper.json or stress.json. Writes nothing; exits 1 on any difference, naming it.
+bench/results/paper/paper.json or stress/stress.json. Writes nothing there (the runs' folders
+go to outputs/bench-stress/); exits 1 on any difference, naming it.
 
 With --cli, each run is its record's `cli` line instead (`python run.py --engine sim ...`, in
 a subprocess, into a temporary folder): the simulated seconds (summary.json's batch_seconds)
@@ -21,6 +22,7 @@ sweep (policy parameters, AIMD thresholds, host-tier variants, fixed caps).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import shlex
@@ -30,10 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import stress
-from paper import RESULTS, ROOT, execute, plan
+from bench.common import stress_runs
+from bench.common.paper_runs import execute, plan
+from bench.common.paths import PAPER_RESULTS, ROOT, STRESS_RESULTS, STRESS_RUNS
 
 # Every Table 1 row under aimd, wset and wset+hicache (DeepSeek: every system, they are
 # cheap), the request unit, the runs with the most pauses and resumes (both resume rules),
@@ -69,8 +70,10 @@ PRESETS = {
         "stress-slow-tools-wset2", "stress-spikes-agent-cap64", "stress-swarm-aimd",
     ],
 }  # fmt: skip
-# where the committed records are: the wset2 side-by-side files add the wset2 runs
-RECORDS = ("paper.json", "stress.json", "wset2-paper.json", "wset2-stress.json")
+# where the committed records are
+RECORDS = (PAPER_RESULTS / "paper.json", STRESS_RESULTS / "stress.json")
+# the reruns' folders: the stress suite's, as ever (names as in the records)
+RUNS = STRESS_RUNS
 # wall seconds and where the run folder was differ between machines; everything else must not
 VARIABLE = {"wall_seconds", "out"}
 
@@ -113,13 +116,14 @@ def main() -> None:
         p.error("name runs or a --preset")
     committed: dict[str, dict[str, Any]] = {}
     for f in RECORDS:  # the first file that has a run holds its record
-        for r in json.loads((RESULTS / f).read_text()):
+        for r in json.loads(f.read_text()):
             committed.setdefault(r["run"], r)
-    by_name = {r.name: r for r in [*plan(None, quick=False), *stress.plan(None, None)]}
+    by_name = {r.name: r for r in [*plan(None, quick=False), *stress_runs.plan(None, None)]}
     unknown = [n for n in names if n not in by_name or n not in committed]
     if unknown:
         p.error(f"not a run of paper.py or stress.py with a committed record: {unknown}")
-    print(f"{len(names)} runs against {RESULTS}: {', '.join(RECORDS)}, {args.jobs} at a time")
+    files = ", ".join(str(f.relative_to(ROOT)) for f in RECORDS)
+    print(f"{len(names)} runs against {files}, {args.jobs} at a time")
     if args.cli:
         if args.seed != 0:
             p.error("--cli makes the committed runs (seed 0, in their `cli` lines)")
@@ -130,7 +134,8 @@ def main() -> None:
         }
     else:
         with mp.get_context("fork").Pool(args.jobs) as pool:
-            records = pool.map(execute, [(by_name[n], args.seed) for n in names], chunksize=1)
+            jobs = [(by_name[n], args.seed) for n in names]
+            records = pool.map(functools.partial(execute, runs=RUNS), jobs, chunksize=1)
     bad = 0
     for rec in records:
         diff = differences(rec, committed[rec["run"]])

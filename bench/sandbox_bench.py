@@ -2,9 +2,9 @@
 tool calls per second at 1, 16 and 128 concurrent calls (each concurrent slot its own agent
 uid and workspace, as in a batch).
 
-    python bench/sandbox_bench.py [--spawns 200] [--calls-per-slot 4] [--tools bash,python]
+    python -m bench.sandbox_bench [--spawns 200] [--calls-per-slot 4] [--tools bash,python]
 
-Needs root and bubblewrap. Prints a table and writes bench/results/sandbox.json.
+Needs root and bubblewrap. Prints a table and writes bench/results/sandbox/sandbox.json.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common.paths import SANDBOX_RESULTS
 from tools.core import ToolContext
 from tools.registry import get_tools
 from tools.sandbox import BwrapSandbox, Limits
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = SANDBOX_RESULTS
 UID0 = 250000  # clear of the batch (200000+) and test (210000-239999) uids
 CALLS = {
     "bash": {"command": "echo ok"},
@@ -167,7 +166,7 @@ def main() -> int:
         "machine": platform.machine(),
     }
     res["args"] = vars(args)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sandbox.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"\nwrote {RESULTS / 'sandbox.json'}")
     return 0

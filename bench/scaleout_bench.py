@@ -1,13 +1,13 @@
 """A batch over 1, 2 and 4 Ray workers, side by side in one run, on a workload whose time is
 tool waits (the replay engine; each step's tool sleeps), so two cores suffice.
 
-    python bench/scaleout_bench.py [--tasks 160] [--steps 4] [--sleep 0.25] [--cap 8]
+    python -m bench.scaleout_bench [--tasks 160] [--steps 4] [--sleep 0.25] [--cap 8]
 
 A real local Ray cluster of two nodes (two CPUs each, on 127.0.0.1) runs every configuration;
 a single-process batch of the same tasks is the reference. Prints and writes
-bench/results/scaleout.json: per configuration the batch span (first task handed out to last
-record written), throughput and its ratio to one worker, and the driver's overhead per record
-(its own work on each record: checks, writes, fsyncs; and its whole process CPU time).
+bench/results/scaleout/scaleout.json: per configuration the batch span (first task handed out
+to last record written), throughput and its ratio to one worker, and the driver's overhead per
+record (its own work on each record: checks, writes, fsyncs; and its whole process CPU time).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,8 +27,8 @@ from typing import Any
 
 # Ray reads it on import: every node and driver of this bench binds and connects on loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common.paths import SCALEOUT_RESULTS
 from runner.batch.batch import Batch, BatchConfig
 from runner.engines.replay import ReplayEngine, scripts_from_tasks
 from runner.policies.baselines import AgentCap
@@ -41,7 +40,7 @@ from runner.tasks.tasks import Task
 from tools.core import Observation, Tool, ToolContext
 from tools.submit import Submit
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = SCALEOUT_RESULTS
 
 
 @dataclass
@@ -209,7 +208,7 @@ def main() -> None:
             f"{r.get('driver_handling_cpu_ms_per_record', '-')!s:>8} "
             f"{r.get('driver_process_cpu_ms_per_record', '-')!s:>11}"
         )
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "scaleout.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS / 'scaleout.json'}")
 

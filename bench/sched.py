@@ -1,17 +1,17 @@
 """Scheduling candidates against wset2 and aimd, row by row and seed by seed (issue 16 item 2).
 
-    python bench/sched.py                          # every paper and stress row, seed 0
-    python bench/sched.py --rows ds-40,ds-32 --seeds 0,1,2,3 --out sched-seeds
-    python bench/sched.py --systems "wset2,wset2@longest/newest" --rows swarm
+    python -m bench.sched                          # every paper and stress row, seed 0
+    python -m bench.sched --rows ds-40,ds-32 --seeds 0,1,2,3 --out sched-seeds
+    python -m bench.sched --systems "wset2,wset2@longest/newest" --rows swarm
 
 A system is a `--policy` spec with an optional `@pause/resume` gate rule pair (default
-newest/newest, the rules bench/paper.py runs wset and wset2 with; `aimd` runs with the
-paper's newest/oldest). Every run is checked for identical work across the systems of its row
-and seed, and set against the row's lower bound (runner/sim/oracle.py) and the best baseline:
-none and agent-cap:16/32/64/128 from the committed bench/results/paper.json and stress.json
-(seed 0 only; their code paths are unchanged), and aimd from this run. Writes
-bench/results/<out>-paper.json, <out>-stress.json (one record per run, with the `run.py` line
-that reproduces it) and <out>.md.
+newest/newest, the rules bench.paper runs wset and wset2 with; `aimd` runs with the paper's
+newest/oldest). Every run is checked for identical work across the systems of its row and
+seed, and set against the row's lower bound (runner/sim/oracle.py) and the best baseline: none
+and agent-cap:16/32/64/128 from the committed bench/results/paper/paper.json and
+stress/stress.json (seed 0 only; their code paths are unchanged), and aimd from this run.
+Writes bench/results/sched/<out>-paper.json, <out>-stress.json (one record per run, with the
+`run.py` line that reproduces it), <out>-meta.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -20,28 +20,23 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import paper_runs, stress_runs
+from bench.common.paths import PAPER_RESULTS, SCHED_RESULTS, SCHED_RUNS, STRESS_RESULTS
+from runner.gate.gate import PAUSE_RULES, RESUME_RULES
+from runner.policies.registry import make_policy
+from runner.sim.oracle import lower_bound
+from runner.sim.workload import synthetic
 
-import paper  # noqa: E402
-import stress  # noqa: E402
-
-from runner.gate.gate import PAUSE_RULES, RESUME_RULES  # noqa: E402
-from runner.sim.oracle import lower_bound  # noqa: E402
-from runner.sim.workload import synthetic  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = SCHED_RESULTS
+RUNS = SCHED_RUNS  # the run folders
 DEFAULT_SYSTEMS = ("aimd", "wset2", "wset2@longest/newest")
-PAPER_ROWS = {c.key: (c.title, c.deployment, c.workload) for c in paper.TABLE1}
-STRESS_ROWS = {r.key: (r.title, r.deployment, r.workload) for r in stress.ROWS}
+PAPER_ROWS = {c.key: (c.title, c.deployment, c.workload) for c in paper_runs.TABLE1}
+STRESS_ROWS = {r.key: (r.title, r.deployment, r.workload) for r in stress_runs.ROWS}
 ROWS = {**PAPER_ROWS, **STRESS_ROWS}
-BASELINES = ("none", *(f"agent-cap:{n}" for n in paper.CRITERION_CAPS))
+BASELINES = ("none", *(f"agent-cap:{n}" for n in paper_runs.CRITERION_CAPS))
 
 
 def parse_system(system: str) -> tuple[str, tuple[str, str]]:
@@ -53,7 +48,7 @@ def parse_system(system: str) -> tuple[str, tuple[str, str]]:
     return spec, (("newest", "oldest") if spec == "aimd" else ("newest", "newest"))
 
 
-def plan(rows: list[str], systems: list[str], seeds: list[int]) -> list[tuple[paper.Run, int]]:
+def plan(rows: list[str], systems: list[str], seeds: list[int]) -> list[tuple[paper_runs.Run, int]]:
     out = []
     for key in rows:
         _, deployment, workload = ROWS[key]
@@ -62,15 +57,15 @@ def plan(rows: list[str], systems: list[str], seeds: list[int]) -> list[tuple[pa
             slug = system.replace(":", "").replace("@", "-").replace("/", "-").replace(",", "-")
             for seed in seeds:
                 name = f"sched-{key}-{slug.replace('=', '')}-s{seed}"
-                run = paper.Run(
+                run = paper_runs.Run(
                     name, key, system, spec, rules=rules, deployment=deployment, workload=workload
                 )
                 out.append((run, seed))
     return out
 
 
-def execute(args: tuple[paper.Run, int]) -> dict[str, Any]:
-    rec = paper.execute(args)
+def execute(args: tuple[paper_runs.Run, int]) -> dict[str, Any]:
+    rec = paper_runs.execute(args, RUNS)
     rec["row_seed"] = args[1]
     return rec
 
@@ -78,8 +73,8 @@ def execute(args: tuple[paper.Run, int]) -> dict[str, Any]:
 def committed_baselines() -> dict[str, dict[str, float]]:
     """Seed-0 seconds of none and the fixed caps, per row, from the committed results."""
     out: dict[str, dict[str, float]] = {}
-    for name in ("paper.json", "stress.json"):
-        for r in json.loads((RESULTS / name).read_text()):
+    for path in (PAPER_RESULTS / "paper.json", STRESS_RESULTS / "stress.json"):
+        for r in json.loads(path.read_text()):
             if r["system"] in BASELINES and r.get("seed", 0) == 0:
                 out.setdefault(r["config"], {})[r["system"]] = r["sim_seconds"]
     return out
@@ -91,12 +86,13 @@ def report(records: list[dict[str, Any]], systems: list[str], seeds: list[int], 
     base0 = committed_baselines()
     out = ["# Scheduling candidates beside wset2 and aimd (simulated)", ""]
     out.append(
-        f"Generated by `python bench/sched.py` ({len(records)} runs, {wall:.0f} s of wall "
-        f"time; seeds {', '.join(map(str, seeds))}; control period {paper.CONTROL_PERIOD:g} "
+        f"Generated by `python -m bench.sched` ({len(records)} runs, {wall:.0f} s of wall "
+        f"time; seeds {', '.join(map(str, seeds))}; control period {paper_runs.CONTROL_PERIOD:g} "
         "s). A system is a policy spec with its gate rules (`@pause/resume`; default "
         "newest/newest, aimd newest/oldest). Bound: runner/sim/oracle.lower_bound of the row "
         "and seed. Best baseline: the fastest of none and agent-cap:16/32/64/128 (committed "
-        "bench/results/paper.json and stress.json, seed 0 only) and aimd (this run)."
+        "bench/results/paper/paper.json and stress/stress.json, seed 0 only) and aimd (this "
+        "run)."
     )
     out += ["", "## Seconds, / bound, and against the best baseline", ""]
     head = "| row | seed | bound s | " + " | ".join(f"{s} s (/ bound)" for s in systems)
@@ -187,7 +183,7 @@ def main() -> None:
     p.add_argument("--rows", help="comma-separated row keys (default all): " + ", ".join(ROWS))
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="spec[@pause/resume],...")
     p.add_argument("--seeds", default="0", help="comma-separated workload seeds")
-    p.add_argument("--out", default="sched", help="results name under bench/results/")
+    p.add_argument("--out", default="sched", help="results name under bench/results/sched/")
     p.add_argument("--jobs", type=int, default=max(1, min(2, mp.cpu_count())))
     p.add_argument("--report-only", action="store_true", help="rewrite <out>.md from its json")
     args = p.parse_args()
@@ -209,11 +205,10 @@ def main() -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:  # fail before any run on a bad spec or rule
         spec, (pause, resume) = parse_system(s)
-        paper.make_policy(spec)
+        make_policy(spec)
         if pause not in PAUSE_RULES or resume not in RESUME_RULES:
             p.error(f"{s}: rules must be one of {list(PAUSE_RULES)} / {list(RESUME_RULES)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    paper.RUNS = ROOT / "outputs" / "bench-sched"
     work = plan(rows, systems, seeds)
     print(f"{len(work)} simulated runs, {args.jobs} at a time", flush=True)
     t0 = time.perf_counter()

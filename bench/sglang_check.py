@@ -1,6 +1,6 @@
 """Check the SGLang adapter against a real SGLang engine on a GPU machine.
 
-    python bench/sglang_check.py --model /path/to/Qwen2.5-0.5B-Instruct [--agents 16 --steps 4]
+    python -m bench.sglang_check --model /path/to/Qwen2.5-0.5B-Instruct [--agents 16 --steps 4]
 
 Runs a small synthetic batch through runner.engines.sglang.SGLangEngine, no sandbox and no
 tools: N agents chat concurrently for S steps, each turn appending the engine's output ids
@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.chat.template import turn_delta  # noqa: E402
-from runner.chat.toolcall import ParseError, parse_tool_call  # noqa: E402
-from runner.engines.protocol import SamplingParams  # noqa: E402
-from runner.engines.sglang import SGLangEngine, parse_engine_args, sglang_available  # noqa: E402
-from tools.core import call_schema, schema  # noqa: E402
-from tools.registry import get_tools  # noqa: E402
+from bench.common.paths import SGLANG_RESULTS
+from runner.chat.template import turn_delta
+from runner.chat.toolcall import ParseError, parse_tool_call
+from runner.engines.protocol import SamplingParams
+from runner.engines.sglang import SGLangEngine, parse_engine_args, sglang_available
+from tools.core import call_schema, schema
+from tools.registry import get_tools
 
 SYSTEM = (
     "You are a careful software engineering agent working in a repository. "
@@ -257,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-reuse", type=float, default=0.9)
     p.add_argument("--constrained", type=int, default=4, help="constrained tool-call requests")
     p.add_argument("--sample-period", type=float, default=0.25)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sglang_check.json")
+    p.add_argument("--out", type=Path, default=SGLANG_RESULTS / "sglang_check.json")
     args = p.parse_args(argv)
 
     ok, why = sglang_available()

@@ -1,97 +1,37 @@
 """The stress suite: workloads beside the paper's rows, each run under every policy.
 
-    python bench/stress.py                       # every row, every system
-    python bench/stress.py --only swarm          # one row (results to outputs/, not results/)
-    python bench/stress.py --only swarm --systems aimd,wset
+    python -m bench.stress                       # every row, every system
+    python -m bench.stress --only swarm          # one row (results to outputs/, not results/)
+    python -m bench.stress --only swarm --systems aimd,wset
 
-Rows (runner/sim/workload.py's `stress-*` presets, seed 0): bimodal tool times, observation
-spikes, a heavy shared prefix, a long tail of step counts, a swarm of 2,048 short agents, and
-DeepSeek-V3 with spikes. Every run is checked for identical work across systems and set
-against the oracle lower bound (runner/sim/oracle.py). Writes bench/results/stress.json (one
-record per run, with the `run.py` line that reproduces it) and stress.md.
+Rows (runner/sim/workload.py's `stress-*` presets, seed 0; bench/common/stress_runs.py):
+bimodal tool times, observation spikes, a heavy shared prefix, a long tail of step counts, a
+swarm of 2,048 short agents, and DeepSeek-V3 with spikes. Every run is checked for identical
+work across systems and set against the oracle lower bound (runner/sim/oracle.py). Writes
+bench/results/stress/stress.json (one record per run, with the `run.py` line that reproduces
+it) and stress.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common.paper_runs import CONTROL_PERIOD, HICACHE_RATIO, execute
+from bench.common.paths import STRESS_RESULTS, STRESS_RUNS
+from bench.common.stress_runs import CAPS, ROWS, SYSTEMS, plan
+from runner.sim.oracle import lower_bounds
+from runner.sim.workload import synthetic
 
-import paper  # noqa: E402
-
-from runner.sim.oracle import lower_bounds  # noqa: E402
-from runner.sim.workload import synthetic  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-paper.RUNS = ROOT / "outputs" / "bench-stress"  # run folders (forked workers inherit it)
+RESULTS = STRESS_RESULTS
+RUNS = STRESS_RUNS  # run folders, and a subset's results
 CRITERION = 1.3  # the default policy within this factor of the bound on every row
-CAPS = (16, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class Row:
-    key: str
-    title: str
-    deployment: str
-    workload: str
-
-
-ROWS = [
-    Row("slow-tools", "bimodal tools (a fifth 40-80 s), Qwen TP4", "qwen3-32b-tp4",
-        "stress-slow-tools"),
-    Row("spikes", "observation spikes (15-25K), Qwen TP8", "qwen3-32b-tp8", "stress-spikes"),
-    Row("shared-prefix", "8K shared prompt, short turns, Qwen TP2", "qwen3-32b-tp2",
-        "stress-shared-prefix"),
-    Row("long-tail", "long tail of steps (3-9, 8% 80-95), Qwen TP4", "qwen3-32b-tp4",
-        "stress-long-tail"),
-    Row("swarm", "2,048 short agents, Qwen TP8", "qwen3-32b-tp8", "stress-swarm"),
-    Row("ds-spikes", "DeepSeek-V3 32 agents with spikes, TP16", "deepseek-v3-tp16-paper",
-        "stress-deepseek-spikes"),
-]  # fmt: skip
-# system -> (policy spec, host tier, (pause rule, resume rule))
-SYSTEMS: dict[str, tuple[str, bool, tuple[str, str]]] = {
-    "none": ("none", False, ("newest", "oldest")),
-    "hicache": ("none", True, ("newest", "oldest")),
-    "aimd": ("aimd", False, ("newest", "oldest")),
-    "wset": ("wset", False, ("newest", "newest")),
-    "wset+hicache": ("wset", True, ("newest", "newest")),
-    "wset2": ("wset2", False, ("newest", "newest")),
-    "wset2+hicache": ("wset2", True, ("newest", "newest")),
-    **{f"agent-cap:{n}": (f"agent-cap:{n}", False, ("newest", "oldest")) for n in CAPS},
-}
 BASELINES = ("none", "aimd", *(f"agent-cap:{n}" for n in CAPS))
 CANDIDATES = ("wset", "wset2")  # the policies the criterion is checked for
-
-
-def plan(only: str | None, systems: list[str] | None) -> list[paper.Run]:
-    runs = []
-    for row in ROWS:
-        if only not in (None, row.key):
-            continue
-        for name, (spec, host, rules) in SYSTEMS.items():
-            if systems and name not in systems:
-                continue
-            run = paper.Run(
-                f"stress-{row.key}-{name.replace(':', '').replace('+', '-')}",
-                row.key,
-                name,
-                spec,  # with its parameters, as --policy takes it
-                hicache=host,
-                rules=rules,
-                deployment=row.deployment,
-                workload=row.workload,
-            )
-            runs.append(run)
-    return runs
 
 
 def bounds(seed: int) -> dict[str, dict[str, Any]]:
@@ -113,9 +53,9 @@ def report(records: list[dict[str, Any]], wall: float, seed: int) -> str:
     names = list(SYSTEMS)
     out = ["# Stress suite: workloads beside the paper's rows (simulated)", ""]
     out.append(
-        f"Generated by `python bench/stress.py` (seed {seed}); {len(records)} simulated runs "
-        f"took {wall:.0f} s of wall time. Control period {paper.CONTROL_PERIOD:g} s; `hicache` "
-        f"is the uncontrolled engine with a {paper.HICACHE_RATIO:g}x host tier. Criterion for "
+        f"Generated by `python -m bench.stress` (seed {seed}); {len(records)} simulated runs "
+        f"took {wall:.0f} s of wall time. Control period {CONTROL_PERIOD:g} s; `hicache` "
+        f"is the uncontrolled engine with a {HICACHE_RATIO:g}x host tier. Criterion for "
         f"{', '.join(f'`{c}`' for c in CANDIDATES)}: within {CRITERION}x of the row's lower "
         "bound and never slower than "
         "none, aimd or the best agent cap. Each record's `cli` field in stress.json is the "
@@ -220,10 +160,12 @@ def main() -> None:
     print(f"{len(runs)} simulated runs, {args.jobs} at a time", flush=True)
     t0 = time.perf_counter()
     with mp.get_context("fork").Pool(args.jobs) as pool:
-        records = pool.map(paper.execute, [(r, args.seed) for r in runs], chunksize=1)
+        records = pool.map(
+            functools.partial(execute, runs=RUNS), [(r, args.seed) for r in runs], chunksize=1
+        )
     wall = time.perf_counter() - t0
     partial = args.only is not None or systems is not None
-    dest = paper.RUNS if partial else RESULTS  # a subset never overwrites the results
+    dest = RUNS if partial else RESULTS  # a subset never overwrites the results
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "stress.json").write_text(json.dumps(records, indent=1) + "\n")
     (dest / "stress-meta.json").write_text(

@@ -4,10 +4,10 @@ namespace, with RLIMIT_NPROC 64 set outside bwrap (what root mode does per agent
 set inside the namespace (what user mode does); and a fork loop per sandbox, K sandboxes at
 once, counting the children each got.
 
-    python bench/usermode_bench.py [--n 100] [--forkers 3] [--uid 65534]
+    python -m bench.usermode_bench [--n 100] [--forkers 3] [--uid 65534]
 
 Run as root it starts the commands as `--uid` (setpriv); run as an ordinary user, as that
-user. Needs bubblewrap. Prints the figures and writes bench/results/usermode.json.
+user. Needs bubblewrap. Prints the figures and writes bench/results/usermode/usermode.json.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common.paths import USERMODE_RESULTS
 from tools.sandbox.bwrap import INNER_PRLIMIT, bwrap_flags, find_bwrap, inner_env
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = USERMODE_RESULTS
 FORKS = (
     "import os, time\nn = 0\nwhile n < 500:\n    try:\n        pid = os.fork()\n"
     "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(3)\n"
@@ -94,7 +93,7 @@ def main() -> int:
                 f"{', '.join(forks['outputs']) or '-'} children"
                 + (f"; {sleeps['first_error']}" if sleeps["first_error"] else "")
             )
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "usermode.json"
     meta = {
         "kernel": platform.release(),

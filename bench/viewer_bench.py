@@ -6,7 +6,7 @@ Measures, per size: writing the page (`write_html`), its size, the time from nav
 the first rendered list (performance.now() when the page marks itself ready), opening the
 last task, a full-text search and a status filter.
 
-    python bench/viewer_bench.py            # writes bench/results/viewer.json
+    python -m bench.viewer_bench            # writes bench/results/viewer/viewer.json
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ import asyncio
 import json
 import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runner.report.html import write_html  # noqa: E402
-from tests.support.browser import chromium  # noqa: E402
+from bench.common.paths import VIEWER_RESULTS
+from runner.report.html import write_html
+from tests.support.browser import chromium  # the test suite's headless chromium driver
 
 STEPS = 10
 REPLY, OBSERVATION = 300, 1500
@@ -111,7 +108,8 @@ def main() -> None:
             }
             print(json.dumps(row))
             results.append(row)
-    out = ROOT / "bench" / "results" / "viewer.json"
+    VIEWER_RESULTS.mkdir(parents=True, exist_ok=True)
+    out = VIEWER_RESULTS / "viewer.json"
     meta = {
         "machine": platform.machine(),
         "python": platform.python_version(),

@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import os
 import shlex
@@ -14,18 +13,6 @@ import pytest
 from tools.sandbox import BwrapSandbox
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_bench(name: str):
-    """A bench/ script as a module (bench/ is not a package; its scripts import each other)."""
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 SWE = ROOT / "tasks" / "swe.jsonl"

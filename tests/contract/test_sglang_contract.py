@@ -1015,13 +1015,9 @@ def test_cli_helpers(monkeypatch):
 
 
 def _bench():
-    import importlib.util
+    from bench import sglang_check
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "sglang_check.py"
-    spec = importlib.util.spec_from_file_location("sglang_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return sglang_check
 
 
 def test_bench_exits_2_without_sglang(monkeypatch, capsys):

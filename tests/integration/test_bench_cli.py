@@ -8,7 +8,9 @@ import shlex
 
 import pytest
 
-from tests.conftest import load_bench, run_cli
+from bench import bounds
+from bench.common import paper_runs, stress_runs
+from tests.conftest import run_cli
 
 
 @pytest.mark.parametrize(
@@ -16,11 +18,9 @@ from tests.conftest import load_bench, run_cli
     # the capped DeepSeek pool, and a host tier with its size and reload rate set
     ["ds-32-aimd", "ds-32-hicache-host200-bw2"],
 )
-def test_cli_reproduces_paper_bench_run(tmp_path, monkeypatch, name):
-    paper = load_bench("paper")
-    monkeypatch.setattr(paper, "RUNS", tmp_path / "bench")
-    run = next(r for r in paper.plan("ds-32", quick=False) if r.name == name)
-    rec = paper.execute((run, 0))
+def test_cli_reproduces_paper_bench_run(tmp_path, name):
+    run = next(r for r in paper_runs.plan("ds-32", quick=False) if r.name == name)
+    rec = paper_runs.execute((run, 0), tmp_path / "bench")
     argv = shlex.split(rec["cli"])[2:]  # after "python run.py"
     run_cli(*argv, "--out", str(tmp_path / "cli"))
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
@@ -31,7 +31,6 @@ def test_cli_reproduces_paper_bench_run(tmp_path, monkeypatch, name):
 def test_bounds_report_flags_a_run_faster_than_its_bound():
     # bench/bounds.py recomputes every row's bound without rerunning: a recorded run faster
     # than its row's bound is named (and makes the script exit 1); the others are not
-    bounds = load_bench("bounds")
     recs = [
         {"run": "qwen-tp8-wset", "config": "qwen-tp8", "system": "wset", "sim_seconds": 539.0},
         {"run": "qwen-tp8-fast", "config": "qwen-tp8", "system": "aimd", "sim_seconds": 100.0},
@@ -70,13 +69,12 @@ def test_every_bench_run_parses_to_the_settings_the_bench_simulates(tmp_path, mo
     from runner.policies.registry import make_policy
     from runner.sim import simulate
 
-    paper, stress = load_bench("paper"), load_bench("stress")
     workloads = functools.cache(simulate.load_workload)  # each preset generated once
     monkeypatch.setattr(simulate, "load_workload", workloads)
-    runs = [*paper.plan(None, quick=False), *stress.plan(None, None)]
+    runs = [*paper_runs.plan(None, quick=False), *stress_runs.plan(None, None)]
     assert len(runs) > 200 and len({r.system for r in runs}) > 40  # every kind
     for run in runs:
-        argv = [*paper.cli_args(run, 0), "--out", str(tmp_path / "cli")]
+        argv = [*paper_runs.cli_args(run, 0), "--out", str(tmp_path / "cli")]
         args = config_args(build_parser(), argv)
         check_options(args)
         cli = simulation_plan(args)
@@ -85,9 +83,9 @@ def test_every_bench_run_parses_to_the_settings_the_bench_simulates(tmp_path, mo
             args.constrain_tool_calls, cli.setup.engine
         )  # as run.py's run() sets it
         parts, config = simulate.sim_setup(
-            workloads(run.workload, 0), run.deployment, **paper.sim_settings(run)
+            workloads(run.workload, 0), run.deployment, **paper_runs.sim_settings(run)
         )
-        assert policy_from_args(args) == make_policy(paper.policy_spec(run)), run.name
+        assert policy_from_args(args) == make_policy(paper_runs.policy_spec(run)), run.name
         assert cli.config == config, run.name
         assert _engine_settings(cli.setup.engine) == _engine_settings(parts.engine), run.name
         assert cli.tasks == parts.tasks, run.name

@@ -3,11 +3,11 @@
 import json
 import shlex
 
-from tests.conftest import load_bench, run_cli
+from bench import sched
+from tests.conftest import run_cli
 
 
 def test_a_system_names_its_policy_and_gate_rules():
-    sched = load_bench("sched")
     assert sched.parse_system("wset2") == ("wset2", ("newest", "newest"))
     assert sched.parse_system("aimd") == ("aimd", ("newest", "oldest"))  # the paper's rules
     assert sched.parse_system("wset2:reserve=0.05@longest/oldest") == (
@@ -19,8 +19,7 @@ def test_a_system_names_its_policy_and_gate_rules():
 
 
 def test_a_run_with_other_rules_is_reproduced_by_its_cli_line(tmp_path, monkeypatch):
-    sched = load_bench("sched")
-    monkeypatch.setattr(sched.paper, "RUNS", tmp_path / "bench")
+    monkeypatch.setattr(sched, "RUNS", tmp_path / "bench")
     [(run, seed)] = sched.plan(["ds-16"], ["wset2@longest/newest"], [1])
     rec = sched.execute((run, seed))
     argv = shlex.split(rec["cli"])[2:]  # after "python run.py"

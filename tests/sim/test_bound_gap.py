@@ -1,20 +1,19 @@
-"""bench/bound_gap.py --unbounded: the deployment change that makes memory never bind."""
+"""`python -m bench.bound_gap --unbounded`: the deployment change that makes memory never bind."""
 
 import pytest
 
+from bench import bound_gap as gap
 from runner.policies.registry import make_policy
 from runner.sim.engine import CostModel
 from runner.sim.engine import deployment as sim_deployment
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
-from tests.conftest import load_bench
 
 # a small pool the tiny workload overflows (the oracle tests' pressured case)
 CAP = {"max_total_tokens": 4000}
 
 
 def test_the_unbounded_pool_holds_every_context_and_costs_what_the_preset_does():
-    gap = load_bench("bound_gap")
     w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
     base = sim_deployment("tiny-cpu", **CAP)
     changes = gap._unbounded_gpu(w, "tiny-cpu")
@@ -28,7 +27,6 @@ def test_the_unbounded_pool_holds_every_context_and_costs_what_the_preset_does()
 
 
 def test_on_the_unbounded_pool_nothing_is_evicted_where_the_small_pool_evicts(tmp_path):
-    gap = load_bench("bound_gap")
     w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
     small = simulate(w, "tiny-cpu", make_policy("none"), tmp_path / "s", engine_options=CAP)
     changes = {**CAP, **gap._unbounded_gpu(w, "tiny-cpu")}
@@ -39,7 +37,6 @@ def test_on_the_unbounded_pool_nothing_is_evicted_where_the_small_pool_evicts(tm
 
 
 def test_the_tail_runs_from_the_last_period_with_an_agent_waiting():
-    gap = load_bench("bound_gap")
     lines = [
         {"t": 0.0, "paused": 0, "pending": 3, "u": 0.2},
         {"t": 1.0, "paused": 2, "pending": 0, "u": 0.8},
@@ -59,7 +56,6 @@ def test_the_tail_runs_from_the_last_period_with_an_agent_waiting():
 
 
 def test_the_logged_policy_decides_the_same_and_logs_the_holders_share(tmp_path):
-    gap = load_bench("bound_gap")
     w = synthetic("tiny", seed=3, agents=6, steps=(4, 8), final=(1500, 2500))
     plain = simulate(w, "tiny-cpu", make_policy("wset2"), tmp_path / "p", engine_options=CAP)
     log: list[tuple[float, float]] = []

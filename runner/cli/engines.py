@@ -140,6 +140,10 @@ def sim_engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if cap < 1:
             raise ValueError(f"--sim-max-total-tokens must be >= 1, got {cap}")
         options["max_total_tokens"] = cap
+    if args.sim_pool_scale != 1.0:
+        if not args.sim_pool_scale > 0:
+            raise ValueError(f"--sim-pool-scale must be > 0, got {args.sim_pool_scale}")
+        options["pool_scale"] = args.sim_pool_scale
     if args.hicache_ratio > 0:
         options["hicache_ratio"] = args.hicache_ratio
     if args.hicache_size > 0:

@@ -288,6 +288,8 @@ _PAPER: dict[str, Any] = dict(
 # `long_steps` (p, lo, hi): with probability p an agent takes lo-hi steps instead;
 # `final_per_step` (lo, hi): the final context is start + steps x this (replaces `final`);
 # `slow_tools` (p, lo, hi): each tool with probability p takes lo-hi s (log-uniform);
+# `heavy_tools` (a, lo, cap): every tool time is Pareto with shape a from lo s, cut at cap s
+# (replaces `tool_s`; `slow_tools` still applies after it);
 # `spikes` (p, lo, hi): each observation with probability p has lo-hi tokens more, unless the
 # agent's total would pass `max_context`.
 _STRESS: dict[str, dict[str, Any]] = {
@@ -378,6 +380,9 @@ def synthetic(preset: str = "paper", seed: int = 0, **overrides: Any) -> Workloa
         obs = [int(budget * w / total_w) for w in weights]
         lo, hi = p["tool_s"]
         tools = [math.exp(rng.uniform(math.log(lo), math.log(hi))) for _ in range(n - 1)]
+        if "heavy_tools" in p:
+            a, tlo, cap = p["heavy_tools"]
+            tools = [min(cap, tlo * (1.0 - aux.random()) ** (-1.0 / a)) for _ in tools]
         if "slow_tools" in p:
             q, slo, shi = p["slow_tools"]
             tools = [

@@ -8,7 +8,14 @@ import time
 import pytest
 
 from runner.engines.protocol import ContextLimitExceeded, EngineError, SamplingParams
-from runner.sim.engine import DEPLOYMENTS, CostModel, RadixCache, SimEngine, make_sim_engine
+from runner.sim.engine import (
+    DEPLOYMENTS,
+    CostModel,
+    RadixCache,
+    SimEngine,
+    deployment,
+    make_sim_engine,
+)
 from runner.sim.engine.radix import DEVICE, HOST
 from runner.sim.vclock import run_virtual
 
@@ -735,3 +742,13 @@ async def test_on_a_plain_asyncio_loop():
     virtual, st_v = await asyncio.to_thread(run_virtual, main())
     assert plain == virtual
     assert st["requests_finished"] == 12 and st["tokens_decode"] == st_v["tokens_decode"]
+
+
+def test_pool_scale_scales_the_pool_after_the_cap():
+    plain = deployment("qwen3-32b-tp8").pool_tokens
+    assert deployment("qwen3-32b-tp8", pool_scale=2.0).pool_tokens == 2 * plain
+    assert deployment("qwen3-32b-tp8", pool_scale=0.5).pool_tokens == plain // 2
+    capped = deployment("deepseek-v3-tp16-paper", pool_scale=0.5)
+    assert capped.pool_tokens == 140_000  # half of the 280K cap
+    with pytest.raises(ValueError, match="pool_scale must be > 0"):
+        _ = deployment("qwen3-32b-tp8", pool_scale=0.0).pool_tokens

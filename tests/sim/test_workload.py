@@ -189,3 +189,18 @@ def test_as_sent_is_none_where_the_engine_would_cut_a_reply_short():
     # max_new clipped below its reply
     assert w.as_sent(10**6, last + 6, 64) is None
     assert lower_bound(w, "tiny-cpu", max_total_tokens=last + 6)["as_sent"] is False
+
+
+def test_heavy_tools_are_pareto_from_lo_cut_at_cap_and_leave_the_rest_alone():
+    base = synthetic("paper", seed=4, agents=64)
+    heavy = synthetic("paper", seed=4, agents=64, heavy_tools=(1.2, 0.5, 90.0))
+    times = [s.tool_seconds for a in heavy.agents for s in a.steps[:-1]]
+    assert all(0.5 <= t <= 90.0 for t in times)
+    assert max(times) == 90.0  # shape 1.2 over ~1,900 calls: some reach the cap
+    assert sorted(times)[len(times) // 2] < 1.5  # median 0.5 x 2^(1/1.2) ~ 0.89
+
+    # the main stream is untouched: same steps, replies and observations
+    def sizes(w: Workload) -> list:
+        return [[(s.gen_tokens, s.obs_tokens) for s in a.steps] for a in w.agents]
+
+    assert sizes(base) == sizes(heavy)

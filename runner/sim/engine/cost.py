@@ -128,6 +128,9 @@ class Deployment:
     # the roofline misses at small batches; added to every iteration, per layer.
     layer_overhead_s: float = 30e-6
     max_total_tokens: int | None = None  # SGLang --max-total-tokens (a cap)
+    # The pool times this, after the cap: a card with more or less memory left for KV, the
+    # same model and speed otherwise (bench/families.py scales pools from half to double).
+    pool_scale: float = 1.0
     context_limit: int | None = None  # default: the model's max_context
     notes: str = ""
 
@@ -152,6 +155,10 @@ class Deployment:
             raise ValueError(f"{self.name}: the weights leave no room for a KV cache")
         if self.max_total_tokens is not None:
             tokens = min(tokens, self.max_total_tokens)
+        if self.pool_scale != 1.0:
+            if not self.pool_scale > 0:
+                raise ValueError(f"{self.name}: pool_scale must be > 0, got {self.pool_scale}")
+            tokens = max(1, int(tokens * self.pool_scale))
         return tokens
 
     @property

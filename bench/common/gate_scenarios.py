@@ -69,6 +69,24 @@ def signals_with(gate: Gate, **kw: object) -> Signals:
     return Signals(held_contexts=held, waiting_contexts=waiting, **kw)  # type: ignore[call-arg]
 
 
+async def aimd_periods(n: int, periods: int) -> dict[str, float]:
+    """The default policy's periods (`aimd`) on a gate of n agents, all admitted once, the
+    window moving every period: grow, hold, cut with a low hit rate, cut (gate_bench's
+    `control_update`)."""
+    from runner.policies.aimd import AIMD
+
+    keys = [f"agent-{i}" for i in range(n)]
+    gate = Gate(n)
+    for k in keys:
+        gate.register(k)
+    for k in keys:
+        await gate.acquire(k, 1000)
+    usage = [0.1, 0.3, 0.7, 0.7]
+    ctl = Controller(gate, AIMD(), lambda: CacheStats(usage[ctl.stats.periods % 4]), 1.0)
+    spent, moved = timed_periods(ctl, periods, lambda: ctl.record(1000, 100))
+    return {**named("control_update_aimd", spent), "agents_per_period": moved}
+
+
 async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     """wset2 periods (its tool signals read from the gate, and KV of holders in long calls
     dropped from the fit) on a gate of n agents, half held, on a clock of its own: a fifth of

@@ -68,6 +68,9 @@ class CacheStats:
     host_reload_cost: float | None = None
     # Seconds the engine takes to prefill (recompute) one token of context; None if unknown.
     recompute_token_seconds: float | None = None
+    # The most agents' contexts the engine keeps at once where that is fewer than its tokens
+    # allow (llama.cpp: its sequence slots, one stream each); None: only tokens limit it.
+    resident_limit: int | None = None
     # Seconds of host-to-device link time to reload one token from the host tier (each GPU
     # its share, in parallel); None where there is no host tier or it is unknown.
     host_reload_token_seconds: float | None = None

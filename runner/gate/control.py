@@ -143,6 +143,7 @@ class Controller:
             finished=c["finished"],
             unfinished=c["unfinished"],
             capacity_tokens=cache.capacity_tokens,
+            resident_limit=cache.resident_limit,
             host_capacity_tokens=cache.host_capacity_tokens,
             host_reload_cost=cache.host_reload_cost,
             contexts=contexts,

@@ -134,6 +134,10 @@ class ToolsView:
         where = map(operator.add, map(starts.__getitem__, map(_block, past)), places)
         return sorted(zip(where, map(_context, past), strict=True))
 
+    def count_past(self, seconds: float) -> int:
+        # one bisection over the calls' starts: `held_past` without placing anyone
+        return self._calls.begun_by(self._past(seconds), self._turn(seconds))
+
     def fit_dropping(
         self, contexts: Any, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
     ) -> int | None:

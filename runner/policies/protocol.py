@@ -115,6 +115,10 @@ class Tools(Protocol):
         finished (in a tool call, or preparing its next turn), by position."""
         ...
 
+    def count_past(self, seconds: float) -> int:
+        """How many holders `held_past(seconds)` lists, without listing them."""
+        ...
+
     def fit_dropping(
         self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
     ) -> int | None:
@@ -146,6 +150,9 @@ class ToolList:
             if t > 0 and t >= seconds
         ]
 
+    def count_past(self, seconds: float) -> int:
+        return len(self.held_past(seconds))
+
     def fit_dropping(
         self, contexts: Contexts, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
     ) -> int | None:
@@ -167,6 +174,9 @@ class Signals:
     unfinished: int  # everyone not finished: the upper bound of W
     # Richer signals; None / empty where the engine or the gate cannot tell.
     capacity_tokens: int | None = None  # the engine's KV pool size, tokens
+    # the most agents' contexts the engine keeps at once, where fewer than its tokens allow
+    # (llama.cpp's sequence slots); None: only tokens limit it
+    resident_limit: int | None = None
     # every agent's context: slot holders in keep order, then waiting ones in admission order
     contexts: Contexts = ContextList()
     # the slot holders' tool calls (how long each has been out of the engine) and the

@@ -146,6 +146,7 @@ async def test_usage_counts_running_requests_only():
         assert busy > len(p) / e.pool.capacity * 0.9
         idle = e.cache_stats()
         assert idle.usage == 0 and idle.extra["physical_occupancy"] > 0  # idle cells kept
+        assert idle.resident_limit == len(e.pool.slots)  # a context per sequence slot
     finally:
         await e.aclose()
 

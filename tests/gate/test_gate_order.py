@@ -294,6 +294,7 @@ async def test_many_holders_past_a_time_in_a_call_come_in_place_order():
     view = gate.tools()
     for x in (0.0, 5.0, 10.0, 11.0, 14.0):
         assert view.held_past(x) == plain.held_past(x), x
+        assert view.count_past(x) == plain.count_past(x) == len(plain.held_past(x)), x
     assert len(view.held_past(0.0)) == 330
     for t in tasks:
         t.cancel()

@@ -97,6 +97,12 @@ def test_an_agent_in_a_long_tool_call_holds_no_share_of_the_pool():
         assert WorkingSet2().update(s).window == 4
 
 
+def test_the_window_stays_within_the_contexts_the_engine_keeps():
+    # llama.cpp keeps one context per sequence slot: 6 slots, though 10 agents fit the tokens
+    assert WorkingSet2().update(ws_sig([500] * 4, [500] * 6, resident_limit=6)).window == 6
+    assert WorkingSet2().update(ws_sig([500] * 4, [500] * 6)).window == 10
+
+
 def test_a_dropped_context_stays_dropped_as_its_call_nears_its_end():
     # calls of 40-80 s: at 70 s the expected remainder is 5 s, below the 10 s break-even,
     # but it passed it earlier in the call, so the KV is gone: still counted as nothing
@@ -136,6 +142,19 @@ def test_a_host_tier_with_limited_bandwidth():
 def test_it_cuts_on_recompute_and_falls_back_without_capacity():
     d = WorkingSet2().update(ws_sig([1000] * 8, [], window=8, recompute_rate=0.5))
     assert (d.window, d.branch) == (4, "cut:recompute")
+    # while holders' KV is dropped, their returns are recomputed by design: no cut for it
+    # (issue 31: a bimodal DeepSeek family instance, 2,147 s with the cut, 1,853 s without,
+    # no gate 1,935 s)
+    dropping = dict(
+        held_tool_seconds=(5.0,) + (0.0,) * 4,
+        tool_durations=BIMODAL,
+        recompute_token_seconds=0.0015,
+        recompute_rate=0.5,
+    )
+    d = WorkingSet2().update(ws_sig([1000] * 5, [1000] * 4, window=5, **dropping))
+    assert (d.window, d.branch) == (9, "fit:dropping")
+    d = WorkingSet2(trust_drops=False).update(ws_sig([1000] * 5, [1000] * 4, window=5, **dropping))
+    assert (d.window, d.branch) == (2, "cut:recompute")
     d = WorkingSet2().update(ws_sig([1000] * 8, [], capacity=None))
     assert d.branch.startswith("aimd-fallback")
 

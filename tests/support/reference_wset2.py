@@ -38,6 +38,8 @@ def update(
         tools = itertools.islice(held_tool_seconds, contexts.held)
         dropped = list(itertools.compress(itertools.count(), map(past, tools)))
         fit = _fit_dropping(contexts, budget, growth, shared, dropped)
+        if dropped and self.trust_drops:  # their returns' recompute is the trade's price
+            return Decision(max(1, fit), "fit:dropping")
     else:
         fit = contexts.fit(budget, growth, shared)
     return _cut_or_fit(s, fit, self.max_recompute, self.beta)

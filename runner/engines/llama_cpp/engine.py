@@ -852,6 +852,7 @@ class LlamaCppEngine:
             usage=max(cells, slots),
             capacity_tokens=p.capacity,
             used_tokens=held,
+            resident_limit=len(p.slots),
             extra={
                 "cell_usage": cells,
                 "slot_usage": slots,

@@ -80,6 +80,8 @@ class WorkingSet2:
     hold_tokens: int = 8192
     # ... where at least this many requests are expected within hold_seconds
     hold_min: float = 2.0
+    # while holders' KV is dropped, no cut for the recompute their returns cause
+    trust_drops: bool = True
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset2"
@@ -127,13 +129,22 @@ class WorkingSet2:
         per = s.recompute_token_seconds  # None: the engine cannot tell, nothing is dropped
         calls = _tool_calls(s) if per else None
         after = self._drop_after(calls, capacity, per)
+        dropping = False
         if after is not None:  # holders in calls past it count nothing
+            dropping = s.tools.count_past(after) > 0
             fit = s.tools.fit_dropping(contexts, after, budget, growth, shared)
             if fit is None:
                 fit = _fit_dropping(contexts, budget, growth, shared, _held_past(s, after))
         else:
             fit = contexts.fit(budget, growth, shared)
-        d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
+        if s.resident_limit is not None:  # the engine keeps fewer contexts than fit its tokens
+            fit = min(fit, s.resident_limit)
+        if dropping and self.trust_drops:
+            # the recompute that dropped holders cause when they return is the trade's price,
+            # not a sign that the fit overestimates the pool: no cut for it
+            d = Decision(max(1, fit), "fit:dropping")
+        else:
+            d = _cut_or_fit(s, fit, self.max_recompute, self.beta)
         cap = _resume_cap(s, host_counted, self.reload_share)
         if cap is not None and cap < d.window:
             d = Decision(cap, "fit:reload-cap")

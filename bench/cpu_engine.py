@@ -210,6 +210,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=7, help="(c), (d): agents per swe.jsonl task")
     p.add_argument("--steps-c", type=int, default=5, help="(c): --max-steps")
     p.add_argument("--steps-d", type=int, default=8, help="(d): --max-steps")
+    p.add_argument(
+        "--d-runs",
+        default="none,aimd,reference",
+        help="(d): which runs: none, aimd, wset2 on the small pool, reference (aimd, 4x pool)",
+    )
     p.add_argument("--out", type=Path, default=CPU_ENGINE_RESULTS / "cpu-engine.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--measure", help=argparse.SUPPRESS)
@@ -257,10 +262,15 @@ def main() -> None:
             # 32 slots of 4096 cells allocated (131,072); the pool holds a quarter of it
             argv = [*swe, "--max-steps", str(a.steps_d), "--n-ctx", "4096", "--max-seqs", "32"]
             small = [*argv, "--pool-tokens", "32768"]
+            runs = {
+                "none": ("d-none", [*small, "--policy", "none"]),
+                "aimd": ("d-aimd", [*small, "--policy", "aimd"]),
+                # wset2 with the resume rule it is run with everywhere (docs/policies.md)
+                "wset2": ("d-wset2", [*small, "--policy", "wset2", "--resume-rule", "newest"]),
+                "reference": ("d-reference", [*argv, "--policy", "aimd"]),
+            }
             res["d_pool"] = [
-                batch("d-none", "batched", [*small, "--policy", "none"], tmp),
-                batch("d-aimd", "batched", [*small, "--policy", "aimd"], tmp),
-                batch("d-reference", "batched", [*argv, "--policy", "aimd"], tmp),
+                batch(runs[k][0], "batched", runs[k][1], tmp) for k in a.d_runs.split(",")
             ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

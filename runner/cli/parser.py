@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="aimd",
         help="NAME or NAME:key=value,...: aimd (the paper's law), none, agent-cap:N, "
-        "request-cap:N, and the experiments wset, wset2 and aimd-fs; `python run.py policies` "
-        "lists each with its parameters and defaults (docs/policies.md)",
+        "request-cap:N, and the experiments wset and wset2; `python run.py policies` lists "
+        "each with its parameters and defaults (docs/policies.md)",
     )
     aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
     g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")

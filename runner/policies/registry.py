@@ -20,20 +20,11 @@ from .protocol import Policy
 # its dataclass fields; a new policy is one entry here, and `--policy NAME:key=value,...` and
 # `run.py policies` know it at once. Experiments: (module of experimental/, class), imported
 # only when needed.
-_ORDER: tuple[str, ...] = (
-    "aimd",
-    "wset",
-    "wset2",
-    "aimd-fs",
-    "none",
-    "agent-cap",
-    "request-cap",
-)
+_ORDER: tuple[str, ...] = ("aimd", "wset", "wset2", "none", "agent-cap", "request-cap")
 _DEFAULT: dict[str, type[Policy]] = {c.name: c for c in (AIMD, NoGate, AgentCap, RequestCap)}
 _EXPERIMENTAL: dict[str, tuple[str, str]] = {
     "wset": ("wset", "WorkingSet"),
     "wset2": ("wset2", "WorkingSet2"),
-    "aimd-fs": ("aimd_fs", "FastStartAIMD"),
 }
 # The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
 # policy falls back on (its field of type AIMD). Other policies take none.

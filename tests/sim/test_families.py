@@ -35,7 +35,7 @@ def test_the_families_cover_their_ranges():
 def test_every_system_does_the_same_work_above_the_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(families, "RUNS", tmp_path)
     inst = min(families.instances(), key=lambda i: i.agents * sum(i.options["steps"]))
-    runs = [families.execute((inst, 0, s)) for s in ("none", "agent-cap:16", "aimd-fs")]
+    runs = [families.execute((inst, 0, s)) for s in ("none", "agent-cap:16", "wset2")]
     bound = families.bound(inst, 0)
     assert families.checks(runs, [bound]) == []
     assert len({r["work_digest"] for r in runs}) == 1
@@ -71,7 +71,7 @@ def test_criterion_against_the_best_baseline_and_the_best_known():
 def test_the_recorded_cli_line_reproduces_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(families, "RUNS", tmp_path / "runs")
     inst = next(i for i in families.instances() if i.host and i.agents <= 40)  # a host tier too
-    rec = families.execute((inst, 0, "aimd-fs"))
+    rec = families.execute((inst, 0, "wset2"))
     trace = tmp_path / f"{inst.key}-s0.jsonl"
     inst.workload(0).save(trace)
     argv = shlex.split(rec["cli"])[2:]  # after "python run.py"

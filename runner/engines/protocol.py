@@ -71,6 +71,9 @@ class CacheStats:
     # The most agents' contexts the engine keeps at once where that is fewer than its tokens
     # allow (llama.cpp: its sequence slots, one stream each); None: only tokens limit it.
     resident_limit: int | None = None
+    # Whether a prefix common to several contexts is stored once (a radix cache: SGLang, the
+    # simulator); False where each context holds its own copy (llama.cpp copies it per stream).
+    shares_prefixes: bool = True
     # Seconds of host-to-device link time to reload one token from the host tier (each GPU
     # its share, in parallel); None where there is no host tier or it is unknown.
     host_reload_token_seconds: float | None = None

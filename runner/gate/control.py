@@ -153,7 +153,7 @@ class Controller:
             period_seconds=self.period,
             growth_per_step=self.gate.growth_per_step(),
             recompute_rate=tally.recompute_rate(),
-            shared_tokens=self._shared_tokens(),
+            shared_tokens=self._shared_tokens() if cache.shares_prefixes else 0,
             requests_per_second=self._rate(tally.requests),
         )
         decision = self.policy.update(sig)

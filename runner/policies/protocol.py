@@ -186,7 +186,9 @@ class Signals:
     recompute_token_seconds: float | None = None
     growth_per_step: float | None = None  # mean context growth per agent step, tokens
     recompute_rate: float | None = None  # prompt tokens neither cached nor new, this period
-    shared_tokens: int | None = None  # prefix all agents share (e.g. the system prompt)
+    # prefix all agents share (e.g. the system prompt) and the engine stores once; 0 where
+    # each context keeps its own copy (llama.cpp)
+    shared_tokens: int | None = None
     host_capacity_tokens: int | None = None  # a host-memory KV tier (HiCache), tokens
     host_reload_cost: float | None = None  # reloading a token / recomputing it
     # seconds of the host-to-device link per token reloaded from the host tier

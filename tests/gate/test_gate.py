@@ -350,3 +350,31 @@ async def test_a_control_line_lists_the_agents_admitted_paused_and_resumed_in_or
     line = ctl.step()  # unmarks a2, resumes a3
     assert (line["admitted"], line["paused_ids"], line["resumed"]) == ([], ["a3"], ["a2", "a3"])
     await waiting
+
+
+@pytest.mark.parametrize("shares", [True, False])
+async def test_the_shared_prefix_signal_counts_only_a_prefix_the_engine_stores_once(shares):
+    # agents' first requests found 300 tokens cached; on llama.cpp that prefix is copied into
+    # each stream, so a policy fitting contexts to the pool must count it in each
+    seen = []
+
+    class Probe:  # a policy that records what it reads (a test double of the protocol)
+        name, unit, wants_contexts, wants_tools = "probe", "agent", False, False
+
+        def initial_window(self, n):
+            return n
+
+        def update(self, s):
+            seen.append(s)
+            return AIMD().update(s)
+
+        def params(self):
+            return {}
+
+    gate = Gate(2)
+    stats = CacheStats(0.1, 1000, shares_prefixes=shares)
+    ctl = Controller(gate, Probe(), lambda: stats, 1.0, lambda: 0.0)
+    ctl.record(500, 300, 500)
+    ctl.record(520, 300, 520)
+    ctl.step()
+    assert seen[0].shared_tokens == (300 if shares else 0)

@@ -853,6 +853,7 @@ class LlamaCppEngine:
             capacity_tokens=p.capacity,
             used_tokens=held,
             resident_limit=len(p.slots),
+            shares_prefixes=False,  # a common prefix is copied into each stream
             extra={
                 "cell_usage": cells,
                 "slot_usage": slots,

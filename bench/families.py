@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common.paper_runs import CONTROL_PERIOD, HICACHE_RATIO, work_digest
+from bench.common.paper_runs import CONTROL_PERIOD, HICACHE_RATIO, RULES, work_digest
 from bench.common.paths import FAMILIES_RESULTS as RESULTS
 from bench.common.paths import FAMILIES_RUNS as RUNS
 from runner.policies.registry import make_policy
@@ -54,8 +54,6 @@ N_INSTANCES = 240
 DEPLOYMENTS = ("qwen3-32b-tp2", "qwen3-32b-tp4", "qwen3-32b-tp8", "deepseek-v3-tp16-paper")
 CAPS = (16, 32, 64, 128)
 BASELINES = ("none", "aimd", *(f"agent-cap:{n}" for n in CAPS))
-# system -> (policy spec, host tier used where the instance has one, (pause, resume) rules)
-RULES = {"wset": ("newest", "newest"), "wset2": ("newest", "newest")}
 MAX_CONTEXT = 36_000  # every agent's final context stays under the models' 40,960
 
 
@@ -175,18 +173,18 @@ def instances(n: int = N_INSTANCES) -> list[Instance]:
 # ---- runs -------------------------------------------------------------------------------
 
 
-def system_args(system: str) -> tuple[str, tuple[str, str]]:
-    """`--policy` and the (pause, resume) rules of a system name."""
-    base = system.split(":")[0]
-    return system, RULES.get(base, ("newest", "oldest"))
+def rules(system: str) -> tuple[str, str]:
+    """The (pause, resume) rules a system runs with: the paper bench's for its policy (a
+    system is a `--policy` spec)."""
+    return RULES.get(system.split(":")[0], ("newest", "oldest"))
 
 
 def cli(inst: Instance, seed: int, system: str, trace: str) -> str:
     """The `run.py` command that runs the same batch (with the instance's trace written by
     `python -m bench.families trace KEY --seed S`)."""
-    spec, (pause, resume) = system_args(system)
+    pause, resume = rules(system)
     argv = ["--engine", "sim", "--workload", trace, "--sim-deployment", inst.deployment]
-    argv += ["--sim-pool-scale", f"{inst.pool_scale:g}", "--policy", spec]
+    argv += ["--sim-pool-scale", f"{inst.pool_scale:g}", "--policy", system]
     argv += ["--control-period", f"{CONTROL_PERIOD:g}", "--pause-rule", pause]
     argv += ["--resume-rule", resume]
     if inst.host:
@@ -196,12 +194,12 @@ def cli(inst: Instance, seed: int, system: str, trace: str) -> str:
 
 def execute(job: tuple[Instance, int, str]) -> dict[str, Any]:
     inst, seed, system = job
-    spec, (pause, resume) = system_args(system)
+    pause, resume = rules(system)
     out = RUNS / f"{inst.key}-s{seed}-{system.replace(':', '')}"
     r = simulate(
         inst.workload(seed),
         inst.deployment,
-        make_policy(spec),
+        make_policy(system),
         out,
         control_period=CONTROL_PERIOD,
         pause_rule=pause,
@@ -280,17 +278,27 @@ def _bound(job: tuple[Instance, int]) -> dict[str, Any]:
 # ---- report -----------------------------------------------------------------------------
 
 
+def seconds_by_cell(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, int], dict[str, float]]:
+    """(instance, seed) -> system -> simulated seconds."""
+    by: dict[tuple[str, int], dict[str, float]] = {}
+    for r in runs:
+        by.setdefault((r["instance"], r["seed"]), {})[r["system"]] = r["sim_seconds"]
+    return by
+
+
+def bounds_by_cell(bounds: Iterable[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """(instance, seed) -> its lower bound, seconds."""
+    return {(x["instance"], x["seed"]): x["bound_seconds"] for x in bounds}
+
+
 def criterion(
     runs: Iterable[dict[str, Any]], candidate: str, baselines: tuple[str, ...] = BASELINES
 ) -> dict[str, Any]:
     """Issue 31's criterion 3 over (instance, seed) cells where the candidate and every
     baseline ran: the share within 2% of the best baseline, the worst ratio, and the
     geometric mean of the ratio to the best known (the fastest of every system run there)."""
-    by: dict[tuple[str, int], dict[str, float]] = {}
-    for r in runs:
-        by.setdefault((r["instance"], r["seed"]), {})[r["system"]] = r["sim_seconds"]
     ratios, known = [], []
-    for cell, t in sorted(by.items()):
+    for cell, t in sorted(seconds_by_cell(runs).items()):
         if candidate not in t or any(b not in t for b in baselines):
             continue
         best = min(t[b] for b in baselines)
@@ -319,7 +327,7 @@ def checks(runs: list[dict[str, Any]], bounds: list[dict[str, Any]]) -> list[str
             problems.append(
                 f"{cell[0]} seed {cell[1]}: the systems did different work ({len(d)} digests)"
             )
-    b = {(x["instance"], x["seed"]): x["bound_seconds"] for x in bounds}
+    b = bounds_by_cell(bounds)
     for r in runs:
         lb = b.get((r["instance"], r["seed"]))
         if lb is not None and r["sim_seconds"] < lb * (1 - 1e-9):
@@ -367,11 +375,8 @@ def report(candidates: list[str]) -> str:
     lines += ["", "## Instances", ""]
     lines += ["| instance | what | bound s | " + " | ".join(candidates) + " |"]
     lines += ["|---" * (3 + len(candidates)) + "|"]
-    b = {(x["instance"], x["seed"]): x["bound_seconds"] for x in bounds}
-    t: dict[tuple[str, int], dict[str, float]] = {}
-    for r in runs:
-        t.setdefault((r["instance"], r["seed"]), {})[r["system"]] = r["sim_seconds"]
-    for (key, seed), v in sorted(t.items()):
+    b = bounds_by_cell(bounds)
+    for (key, seed), v in sorted(seconds_by_cell(runs).items()):
         cols = [f"{v[c]:,.0f}" if c in v else "-" for c in candidates]
         lb = b.get((key, seed))
         lines.append(

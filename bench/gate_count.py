@@ -25,8 +25,9 @@ time is its count times that; its share is against 1% of an engine step at 10,00
 (the simulator's Qwen3-32B TP8 decode of 64 requests at 16K each, as bench.gate_bench
 reports it). The conversion holds as far as the period's cache misses are like the
 calibration's; the periods miss the last-level cache far more often, so each of their
-last-level misses is also counted at 100 ns (a DRAM access) as an upper estimate
-(`us_with_misses`). Both, and the misses, are in the file.
+last-level misses is also counted at 100 ns (a DRAM access) in a second figure
+(`us_with_misses`). Both, and the misses, are in the file; in session 15 both stayed below
+bench.gate_bench's timed medians, so they are lower estimates, not bounds.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ MISS_NS = 100.0  # a last-level miss: a DRAM access, taken at its slow end
 
 
 def convert(side: dict[str, float], ns_per_instruction: float, step_us: float) -> None:
-    """A period's time from its counts: its instructions at the calibration's rate, and (an
-    upper estimate, since the periods miss the last-level cache far more often than the
+    """A period's time from its counts: its instructions at the calibration's rate, and (a
+    second estimate, since the periods miss the last-level cache far more often than the
     calibration) each last-level miss at MISS_NS more; each against 1% of an engine step."""
     side["us"] = side["instructions"] * ns_per_instruction / 1e3
     side["us_with_misses"] = side["us"] + side["last_level_misses"] * MISS_NS / 1e3

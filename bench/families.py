@@ -392,7 +392,9 @@ def main() -> None:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run systems on instances (appends to runs.jsonl)")
-    r.add_argument("--instances", default=f"0-{N_INSTANCES - 1}", help="A-B or a,b,c")
+    r.add_argument(
+        "--instances", type=_indices, default=f"0-{N_INSTANCES - 1}", help="A-B or a,b,c"
+    )
     r.add_argument("--seeds", default="0")
     r.add_argument("--systems", default=",".join((*BASELINES, "wset2")))
     r.add_argument("--max-agents", type=int, help="only instances with at most this many agents")
@@ -400,13 +402,13 @@ def main() -> None:
     rep = sub.add_parser("report", help="write results/families/families.md from runs.jsonl")
     rep.add_argument("--systems", default=",".join((*BASELINES, "wset2")))
     ls = sub.add_parser("list", help="print the instances")
-    ls.add_argument("--instances", default=f"0-{N_INSTANCES - 1}")
+    ls.add_argument("--instances", type=_indices, default=f"0-{N_INSTANCES - 1}")
     tr = sub.add_parser("trace", help="write an instance's workload as a trace file for run.py")
-    tr.add_argument("key")
+    tr.add_argument("key", type=lambda k: _indices(k.removeprefix("f"))[0], help="e.g. f017")
     tr.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     if a.cmd == "trace":
-        inst = draw(int(a.key.lstrip("f")))
+        inst = draw(a.key)
         path = Path(f"{inst.key}-s{a.seed}.jsonl")
         inst.workload(a.seed).save(path)
         print(path)
@@ -416,7 +418,7 @@ def main() -> None:
         (RESULTS / "families.md").write_text(text)
         print(text)
         return
-    chosen = [draw(i) for i in _indices(a.instances)]
+    chosen = [draw(i) for i in a.instances]
     if a.cmd == "list":
         for inst in chosen:
             print(inst.key, inst.label(), json.dumps(inst.options))
@@ -427,10 +429,18 @@ def main() -> None:
 
 
 def _indices(spec: str) -> list[int]:
-    if "-" in spec:
-        lo, hi = spec.split("-")
-        return list(range(int(lo), int(hi) + 1))
-    return [int(x) for x in spec.split(",")]
+    """Instance numbers from "A-B" or "a,b,c", each one of the N_INSTANCES."""
+    try:
+        if "-" in spec:
+            lo, hi = spec.split("-")
+            out = list(range(int(lo), int(hi) + 1))
+        else:
+            out = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not A-B or a,b,c: {spec!r}") from None
+    if not out or not all(0 <= i < N_INSTANCES for i in out):
+        raise argparse.ArgumentTypeError(f"instances are 0-{N_INSTANCES - 1}: {spec!r}")
+    return out
 
 
 if __name__ == "__main__":

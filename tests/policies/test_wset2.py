@@ -88,13 +88,29 @@ def test_an_agent_in_a_long_tool_call_holds_no_share_of_the_pool():
     dear = {**long_wait, "recompute_token_seconds": 0.01}
     assert WorkingSet2().update(ws_sig([2000] * 4, [2000, 2000], **dear)).window == 4
     # drop_factor scales the break-even: at 10 s even a call just begun (12.4 s to go on
-    # average) is worth dropping, so both agents in tools leave room
+    # average) would be worth dropping, but not before the median call (0.5 s) has ended
     cheap = WorkingSet2(drop_factor=0.1)
-    assert cheap.update(ws_sig([2000] * 4, [2000] * 3, **dear)).window == 6
+    assert cheap.update(ws_sig([2000] * 4, [2000] * 3, **dear)).window == 5
+    # without that floor both agents in tools leave room
+    early = WorkingSet2(drop_factor=0.1, drop_after_median=False)
+    assert early.update(ws_sig([2000] * 4, [2000] * 3, **dear)).window == 6
     # no finished tool call yet, or no recompute cost from the engine: nothing is dropped
     for missing in ({"tool_durations": ()}, {"recompute_token_seconds": None}):
         s = ws_sig([2000] * 4, [2000], **{**long_wait, **missing})
         assert WorkingSet2().update(s).window == 4
+
+
+def test_a_call_shorter_than_the_median_keeps_its_share():
+    # calls of 1-4 s and a third of 60 s: a call just begun has 21 s to go on average, past
+    # the 15 s break-even, yet most end within 4 s. Held until the median call (4 s) has
+    # ended; from then on only 60 s calls remain (56 s to go), and its KV is dropped.
+    tools = (1.0, 2.0, 3.0, 4.0) * 10 + (60.0,) * 20
+    kw = dict(tool_durations=tools, recompute_token_seconds=0.0015)
+    for spent, window in ((0.5, 4), (3.9, 4), (4.0, 5), (30.0, 5)):
+        s = ws_sig([2000] * 4, [2000] * 2, held_tool_seconds=(spent, 0.0, 0.0, 0.0), **kw)
+        assert WorkingSet2().update(s).window == window, spent
+    begun = ws_sig([2000] * 4, [2000] * 2, held_tool_seconds=(0.5, 0.0, 0.0, 0.0), **kw)
+    assert WorkingSet2(drop_after_median=False).update(begun).window == 5
 
 
 def test_the_window_stays_within_the_contexts_the_engine_keeps():
@@ -128,9 +144,9 @@ def test_a_host_tier_with_limited_bandwidth():
     # with the tier counted, what the tiers cannot hold is recomputed: the break-even is
     # 20K tokens x 1 ms = 20 s, so a call with 15 s to go keeps its KV (in one tier or the
     # other), where on the device alone (10 s) it would be dropped
-    wait = dict(
+    wait = dict(  # past 2 s (the median call), only 20 s calls are left
         held_tool_seconds=(5.0,) + (0.0,) * 9,
-        tool_durations=(20.0,) * 10,
+        tool_durations=(2.0,) * 6 + (20.0,) * 4,
         recompute_token_seconds=0.001,
     )
     tiered = ws_sig([2000] * 10, [2000], **wait, host_capacity_tokens=20_000, host_reload_cost=0.05)

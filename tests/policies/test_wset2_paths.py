@@ -51,6 +51,7 @@ def compare(
             headroom_steps=rng.choice([0.0, 1.0]),
             drop_factor=rng.choice([0.05, 0.3, 1.0, 3.0]),
             fair_below=rng.choice([0.0, 2.0, 50.0]),
+            drop_after_median=rng.choice([True, False]),
         )
         break_even = rng.choice([0.3, 1.0, rng.uniform(0.01, 6.0)])  # seconds
         s_kw = dict(

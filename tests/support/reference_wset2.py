@@ -51,7 +51,11 @@ def _drop_after(
     if not s.recompute_token_seconds or not tool_durations:
         return None
     break_even = self.drop_factor * capacity * s.recompute_token_seconds
-    return _RemainingTime(tool_durations).first_above(break_even)
+    after = _RemainingTime(tool_durations).first_above(break_even)
+    if not self.drop_after_median:
+        return after
+    ordered = sorted(tool_durations)
+    return max(after, ordered[len(ordered) // 2])  # the median call (of two, the upper)
 
 
 class _RemainingTime:

@@ -43,7 +43,11 @@ class WorkingSet2:
       token's recompute seconds; the pool serves `capacity` token-seconds a second, so the
       trade pays when the remaining time exceeds capacity x that cost (the break-even),
       times `drop_factor`. With a host tier counted in the capacity, what the tiers cannot
-      hold is recomputed too, so the cost stays a recompute's.
+      hold is recomputed too, so the cost stays a recompute's. Never before the median call
+      has ended (`drop_after_median`): a call shorter than that is most likely a typical one,
+      and a mixture of short calls and rare long ones makes the mean remainder of a call
+      just begun long (the long ones' share), so every holder would be dropped as its call
+      began, the short calls' returns recomputed for a few seconds of pool.
     - Where rebuilding KV is cheap against the tool calls, waiting is spread: while the
       engine recomputes the whole pool (capacity x recompute_token_seconds, the break-even
       above) in under `fair_below` typical tool calls (the median of the latest finished
@@ -82,6 +86,8 @@ class WorkingSet2:
     hold_min: float = 2.0
     # while holders' KV is dropped, no cut for the recompute their returns cause
     trust_drops: bool = True
+    # no holder dropped before the median tool call has ended
+    drop_after_median: bool = True
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset2"
@@ -155,11 +161,13 @@ class WorkingSet2:
     ) -> float | None:
         """Seconds in a tool call from which a holder's KV is dropped (None: never): the
         first time the call's expected remainder passes the break-even (`per` is a token's
-        recompute seconds). With a host tier counted in `capacity`, a context the tiers
-        cannot hold is recomputed, not reloaded, so the cost is a recompute's either way."""
+        recompute seconds), and not before the median call's duration. With a host tier
+        counted in `capacity`, a context the tiers cannot hold is recomputed, not reloaded,
+        so the cost is a recompute's either way."""
         if calls is None or not per:
             return None
-        return calls.first_above(self.drop_factor * capacity * per)
+        after = calls.first_above(self.drop_factor * capacity * per)
+        return max(after, calls.median()) if self.drop_after_median else after
 
     def _coalesce(self, s: Signals) -> Coalesce | None:
         """Coalescing, where the recent request rate expects `hold_min` within a hold."""

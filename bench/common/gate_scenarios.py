@@ -95,7 +95,7 @@ async def wset2_periods(n: int, periods: int) -> dict[str, float]:
     one, and the clock moves 1 s. The break-even is 20 s: a holder half a second into a call
     is in a long one, and its KV is dropped from the fit."""
     try:
-        from runner.policies.experimental.wset2 import WorkingSet2
+        from runner.policies.wset2 import WorkingSet2
     except ImportError:  # a --baseline before wset2: nothing to measure
         return {}
     rng, now = random.Random(2), [0.0]
@@ -169,7 +169,7 @@ async def wset2_dropping_periods(
     first `warmup` periods (untimed) bring the calls in flight and the kept durations to
     that steady state; the timed periods follow."""
     try:
-        from runner.policies.experimental.wset2 import WorkingSet2
+        from runner.policies.wset2 import WorkingSet2
     except ImportError:  # a --baseline before wset2: nothing to measure
         return {}
     rng, now = random.Random(3), [0.0]
@@ -249,9 +249,9 @@ def _tool_signals(gate: Gate, break_even: float) -> tuple[Any, float]:
     where the code has one (`Gate.tools`), the tuples of the code before it (a --baseline
     run: `Signals.held_tool_seconds` and `tool_durations`)."""
     try:
-        from runner.policies.experimental.wset2 import RemainingTime
+        from runner.policies.wset2 import RemainingTime
     except ImportError:  # a --baseline ref from before the public name: only the private one
-        from runner.policies.experimental.wset2 import _RemainingTime as RemainingTime
+        from runner.policies.wset2 import _RemainingTime as RemainingTime
 
     if hasattr(gate, "tools"):
         view = gate.tools()

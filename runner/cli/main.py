@@ -27,7 +27,7 @@ from ..engines.protocol import SamplingParams
 from ..gate.ordering import describe as describe_order
 from ..gate.ordering import longest_first, previous_lengths
 from ..policies.protocol import Policy
-from ..policies.registry import make_policy
+from ..policies.registry import DEFAULT_POLICY, make_policy
 from ..runfolder.store import RunFolderBusy, RunFolderWriteError, RunStore
 from ..tasks.formats import parse_field_map
 from ..tasks.tasks import KNOWN_FIELDS, RecordError, Task, expand_samples, load_tasks
@@ -262,11 +262,27 @@ def resume(args: argparse.Namespace, plan: Plan, store: RunStore) -> list[Task]:
 
 
 def policy_from_args(args: argparse.Namespace) -> Policy:
+    """The policy, and the options that default to it set in `args` (so that run.json
+    records what ran): --policy itself, --pause-rule and --resume-rule."""
     options = {field: getattr(args, flag) for field, flag in AIMD_FLAGS.items()}
+    if args.policy is None:
+        given = [f"--{flag.replace('_', '-')}" for flag in AIMD_FLAGS.values()
+                 if getattr(args, flag) is not None]  # fmt: skip
+        if given:  # the paper's flags meant for the paper's law, not the default's fallback
+            raise ValueError(
+                f"{', '.join(given)}: AIMD's parameters; the default policy is "
+                f"{DEFAULT_POLICY}: pass --policy aimd for the paper's law (or --policy "
+                f"{DEFAULT_POLICY} to set the AIMD it falls back on without a pool size)"
+            )
+        args.policy = DEFAULT_POLICY
     try:
-        return make_policy(args.policy, **options)
+        policy = make_policy(args.policy, **options)
     except ValueError as e:
         raise ValueError(f"--policy {args.policy}: {e}") from None
+    pause, resume = policy.rules
+    args.pause_rule = args.pause_rule or pause
+    args.resume_rule = args.resume_rule or resume
+    return policy
 
 
 # ---- plans --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ..engines.sglang import add_sglang_arguments
 from ..gate.control import DEFAULT_CONTROL_PERIOD
 from ..gate.gate import PAUSE_RULES, RESUME_RULES
 from ..policies.aimd import AIMD
+from ..policies.registry import DEFAULT_POLICY
 from ..tasks.formats import FieldMapError, parse_field_map
 from ..tasks.tasks import KNOWN_FIELDS
 from .engines import ENGINE_NAMES
@@ -227,10 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("admission gate")
     g.add_argument(
         "--policy",
-        default="aimd",
-        help="NAME or NAME:key=value,...: aimd (the paper's law), none, agent-cap:N, "
-        "request-cap:N, and the experiments wset and wset2; `python run.py policies` lists "
-        "each with its parameters and defaults (docs/policies.md)",
+        help=f"NAME or NAME:key=value,... (default: {DEFAULT_POLICY}, which fits the agents' "
+        "contexts to the KV pool): wset2, aimd (the paper's law), none, agent-cap:N, "
+        "request-cap:N, and the experiment wset; `python run.py policies` lists each with its "
+        "parameters and defaults (docs/policies.md)",
     )
     aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
     g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")
@@ -269,15 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--pause-rule",
-        default=BatchConfig.pause_rule,
         choices=list(PAUSE_RULES),
-        help="; ".join(f"{k}: {v}" for k, v in PAUSE_RULES.items()),
+        help="(default: the policy's: newest) "
+        + "; ".join(f"{k}: {v}" for k, v in PAUSE_RULES.items()),
     )
     g.add_argument(
         "--resume-rule",
-        default=BatchConfig.resume_rule,
         choices=list(RESUME_RULES),
-        help="; ".join(f"{k}: {v}" for k, v in RESUME_RULES.items()),
+        help="(default: the policy's: newest for wset2 and wset, oldest for the others) "
+        + "; ".join(f"{k}: {v}" for k, v in RESUME_RULES.items()),
     )
 
     g = p.add_argument_group("tools and sandbox")

@@ -51,14 +51,14 @@ from .gate_order import UNPLACED, Block, ContextsView, KeepOrder, Segment
 from .tool_calls import ToolCalls, ToolsView
 
 PAUSE_RULES: dict[str, str] = {
-    "newest": "pause the most recently admitted agents first (LIFO; default)",
+    "newest": "pause the most recently admitted agents first (LIFO; every policy's)",
     "shortest": "pause the agents with the shortest context first (cheapest to recompute)",
     "longest": "pause the agents with the longest context first (frees the most KV)",
     "least-waited": "pause the agents that have waited least so far first (paused and pending "
     "seconds; spreads the waiting, so no agent's finish slips far behind the others')",
 }
 RESUME_RULES: dict[str, str] = {
-    "oldest": "resume the agent paused longest ago first (FIFO; default)",
+    "oldest": "resume the agent paused longest ago first (FIFO; the paper's)",
     "newest": "resume the agent paused most recently first (its KV is likeliest still cached)",
     "longest": "resume the agent with the longest context first",
     "shortest": "resume the agent with the shortest context first",

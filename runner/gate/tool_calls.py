@@ -141,7 +141,7 @@ class ToolsView:
     def fit_dropping(
         self, contexts: Any, seconds: float, budget: float, extra: float = 0.0, shared: int = 0
     ) -> int | None:
-        """runner.policies.experimental.wset2._fit_dropping(contexts, budget, extra, shared,
+        """runner.policies.wset2._fit_dropping(contexts, budget, extra, shared,
         held_past(seconds)): how many of the first agents fit `budget` when the holders past
         `seconds` in a call count 0, each other max(0, context - shared) + extra. From the
         blocks' sums, without placing each dropped holder in the keep order: near the

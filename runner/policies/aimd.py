@@ -1,4 +1,5 @@
-"""AIMD: the CONCUR law, the default policy (docs/policies.md)."""
+"""AIMD: the CONCUR law, the paper's policy and the baseline the default is measured against
+(docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from .protocol import Decision, Signals, Unit
+from .protocol import Decision, PauseRule, ResumeRule, Signals, Unit
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class AIMD:
     initial: int | None = None  # None: start at min(n_agents, 2 * alpha)
 
     name: ClassVar[str] = "aimd"
+    rules: ClassVar[tuple[PauseRule, ResumeRule]] = ("newest", "oldest")  # the paper's
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
     wants_tools: ClassVar[bool] = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .protocol import Decision, Signals, Unit
+from .protocol import Decision, PauseRule, ResumeRule, Signals, Unit
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,7 @@ class NoGate:
     """No admission control: every agent active at once (the uncontrolled engine)."""
 
     name: ClassVar[str] = "none"
+    rules: ClassVar[tuple[PauseRule, ResumeRule]] = ("newest", "oldest")
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
     wants_tools: ClassVar[bool] = False
@@ -33,6 +34,7 @@ class AgentCap:
 
     n: int
     name: ClassVar[str] = "agent-cap"
+    rules: ClassVar[tuple[PauseRule, ResumeRule]] = ("newest", "oldest")
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = False
     wants_tools: ClassVar[bool] = False

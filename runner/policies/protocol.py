@@ -234,6 +234,9 @@ class Policy(Protocol):
 
     name: ClassVar[str]
     unit: ClassVar[Unit]  # what a slot is held for: a whole agent life, or one request
+    # the gate's pause and resume rules the policy runs with unless --pause-rule or
+    # --resume-rule say otherwise (the rules it was measured with)
+    rules: ClassVar[tuple[PauseRule, ResumeRule]]
     # whether Signals must carry the agents' contexts (the gate's view: cheap, but only the
     # policies that read it get it)
     wants_contexts: ClassVar[bool]

@@ -15,17 +15,20 @@ from typing import Any
 from .aimd import AIMD
 from .baselines import AgentCap, NoGate, RequestCap
 from .protocol import Policy
+from .wset2 import WorkingSet2
 
 # Registered policies, in the order `run.py policies` lists them. A policy's parameters are
 # its dataclass fields; a new policy is one entry here, and `--policy NAME:key=value,...` and
 # `run.py policies` know it at once. Experiments: (module of experimental/, class), imported
 # only when needed.
-_ORDER: tuple[str, ...] = ("aimd", "wset", "wset2", "none", "agent-cap", "request-cap")
-_DEFAULT: dict[str, type[Policy]] = {c.name: c for c in (AIMD, NoGate, AgentCap, RequestCap)}
-_EXPERIMENTAL: dict[str, tuple[str, str]] = {
-    "wset": ("wset", "WorkingSet"),
-    "wset2": ("wset2", "WorkingSet2"),
+_ORDER: tuple[str, ...] = ("wset2", "aimd", "none", "agent-cap", "request-cap", "wset")
+_DEFAULT: dict[str, type[Policy]] = {
+    c.name: c for c in (WorkingSet2, AIMD, NoGate, AgentCap, RequestCap)
 }
+_EXPERIMENTAL: dict[str, tuple[str, str]] = {"wset": ("wset", "WorkingSet")}
+# `--policy` when none is given: the policy within 2% of the best baseline on the most
+# generated workloads (docs/policies.md, "Where the policies stand")
+DEFAULT_POLICY = WorkingSet2.name
 # The AIMD flags (--alpha, ...) set AIMD's parameters: of `aimd` itself, and of the AIMD a
 # policy falls back on (its field of type AIMD). Other policies take none.
 _AIMD_OPTIONS = tuple(f.name for f in dataclasses.fields(AIMD))

@@ -10,7 +10,7 @@ import pytest
 
 from runner.batch.batch import BatchConfig
 from runner.cli.config import parse_args, resolved, run_record, to_toml
-from runner.cli.main import Plan, main, resume
+from runner.cli.main import Plan, main, policy_from_args, resume
 from runner.cli.parser import build_parser
 from runner.runfolder.store import RunStore
 from runner.tasks.tasks import Task
@@ -87,17 +87,48 @@ def test_resume_with_options_that_change_results_is_refused(tmp_path, capsys):
     data.write_text('{"id": "a", "prompt": "hi"}\n')
     out = tmp_path / "run"
     first = ["--tasks", str(data), "--out", str(out), "--engine", "replay"]
-    RunStore(out).bind_source(
-        str(data.resolve()), run_record(resolved(build_parser().parse_args(first)), data)
-    )
+    args = build_parser().parse_args(first)
+    policy_from_args(args)  # as a run records it: the default policy and its rules set
+    assert (args.policy, args.pause_rule, args.resume_rule) == ("wset2", "newest", "newest")
+    RunStore(out).bind_source(str(data.resolve()), run_record(resolved(args), data))
     code = main([*first, "--policy", "none", "--temperature", "0.2", "--progress-interval", "1"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "--policy ('aimd' -> 'none')" in err and "--temperature (0.6 -> 0.2)" in err
+    assert "--policy ('wset2' -> 'none')" in err and "--temperature (0.6 -> 0.2)" in err
+    assert "--resume-rule ('newest' -> 'oldest')" in err  # none's own rule
     assert "progress-interval" not in err  # display-only: may differ
     assert f"--config {out / 'run.toml'}" in err
     again = parse_args(build_parser(), ["--config", str(out / "run.toml")])
-    assert again.policy == "aimd" and again.engine == "replay"
+    assert again.policy == "wset2" and again.engine == "replay"
+
+
+def test_a_run_made_under_the_old_default_policy_is_not_resumed_under_the_new(tmp_path, capsys):
+    # run folders made before the default became wset2 recorded policy aimd, resume oldest
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    out = tmp_path / "run"
+    first = ["--tasks", str(data), "--out", str(out), "--engine", "replay"]
+    old = {**resolved(build_parser().parse_args(first)), "policy": "aimd"}
+    old.update(pause_rule="newest", resume_rule="oldest")
+    RunStore(out).bind_source(str(data.resolve()), run_record(old, data))
+    assert main(first) == 2
+    err = capsys.readouterr().err
+    assert "--policy ('aimd' -> 'wset2')" in err and "--resume-rule ('oldest' -> 'newest')" in err
+    assert f"--config {out / 'run.toml'}" in err
+
+
+def test_aimd_flags_without_a_policy_name_the_default_and_the_way_out(tmp_path, capsys):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    out = tmp_path / "run"
+    argv = ["--tasks", str(data), "--out", str(out), "--engine", "replay", "--alpha", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--alpha: AIMD's parameters; the default policy is wset2" in err
+    assert "--policy aimd" in err and not out.exists()
+    args = build_parser().parse_args([*argv, "--policy", "aimd"])
+    p = policy_from_args(args)
+    assert (p.name, p.alpha, args.resume_rule) == ("aimd", 4, "oldest")
 
 
 @pytest.mark.parametrize("keep", [False, True])

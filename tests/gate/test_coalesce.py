@@ -9,9 +9,9 @@ import pytest
 from runner.engines.protocol import CacheStats
 from runner.gate.control import Controller
 from runner.gate.gate import Gate
-from runner.policies.experimental.wset2 import WorkingSet2
 from runner.policies.protocol import Coalesce, Decision, Signals
 from runner.policies.registry import make_policy
+from runner.policies.wset2 import WorkingSet2
 from runner.sim.vclock import run_virtual
 
 

@@ -49,8 +49,8 @@ def test_batch_runs_and_writes_everything(tmp_path, needs_bwrap):
     assert summary["engine"]["name"] == "llama.cpp" and summary["sandbox"] == "bwrap"
     assert summary["prompt_tokens"] >= summary["cached_tokens"] > 0
     g = summary["gate"]
-    assert g["policy"] == "aimd" and g["policy_params"]["alpha"] == 2
-    assert g["window"]["min"] >= 1 and g["pause_rule"] == "newest"
+    assert g["policy"] == "wset2" and g["policy_params"]["reserve"] == 0.1  # the default
+    assert g["window"]["min"] >= 1 and (g["pause_rule"], g["resume_rule"]) == ("newest", "newest")
     control = read_jsonl(out / "control.jsonl")
     assert control and {
         "w_before",

@@ -12,9 +12,9 @@ from runner.gate.control import Controller
 from runner.gate.gate import Gate
 from runner.policies.aimd import AIMD
 from runner.policies.experimental.wset import WorkingSet
-from runner.policies.experimental.wset2 import WorkingSet2, _RemainingTime
 from runner.policies.protocol import ContextList, Signals, ToolList
 from runner.policies.registry import make_policy
+from runner.policies.wset2 import WorkingSet2, _RemainingTime
 from runner.sim.engine import make_sim_engine
 from runner.sim.vclock import run_virtual
 
@@ -260,7 +260,7 @@ def test_through_the_runner_long_tool_calls_give_their_room_to_others(tmp_path):
 
 
 def test_the_fit_with_dropped_holders_is_the_plain_running_sum():
-    from runner.policies.experimental.wset2 import _fit_dropping
+    from runner.policies.wset2 import _fit_dropping
 
     rng = random.Random(11)
     for _ in range(3000):
@@ -283,7 +283,7 @@ async def test_the_fit_with_dropped_holders_on_the_gates_view(monkeypatch):
     # the gate's live view (tiny blocks: many of them) gives the same count as the plain
     # running sum over the same contexts, for holders dropped anywhere among the holders
     from runner.gate import gate_order
-    from runner.policies.experimental.wset2 import _fit_dropping
+    from runner.policies.wset2 import _fit_dropping
 
     monkeypatch.setattr(gate_order, "LOAD", 2)
     rng = random.Random(5)

@@ -9,9 +9,9 @@ from runner.engines.chatml_tokenizer import ChatMLTokenizer
 from runner.engines.protocol import CacheStats
 from runner.gate.control import Controller
 from runner.gate.gate import Gate
-from runner.policies.experimental.wset2 import WorkingSet2
 from runner.policies.protocol import Signals
 from runner.policies.registry import make_policy
+from runner.policies.wset2 import WorkingSet2
 from runner.sim.engine import make_sim_engine
 from tests.policies.test_wset2 import ws_sig
 

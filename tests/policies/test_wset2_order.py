@@ -11,7 +11,6 @@ import pytest
 from runner.engines.protocol import CacheStats
 from runner.gate.control import Controller
 from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies.experimental.wset2 import FAIR, WorkingSet2
 from runner.policies.protocol import (
     ContextList,
     Decision,
@@ -22,6 +21,7 @@ from runner.policies.protocol import (
     ToolList,
 )
 from runner.policies.registry import make_policy
+from runner.policies.wset2 import FAIR, WorkingSet2
 from runner.sim.vclock import run_virtual
 
 

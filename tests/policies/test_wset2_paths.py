@@ -16,8 +16,9 @@ import pytest
 from runner.gate import gate as gate_module
 from runner.gate import gate_order, tool_calls
 from runner.gate.gate import PAUSE_RULES, RESUME_RULES, Gate
-from runner.policies.experimental.fit import _capacity
-from runner.policies.experimental.wset2 import (
+from runner.policies.fit import _capacity
+from runner.policies.protocol import ContextList, Signals
+from runner.policies.wset2 import (
     FAIR,
     WorkingSet2,
     _fit_dropping,
@@ -25,7 +26,6 @@ from runner.policies.experimental.wset2 import (
     _RemainingTime,
     _tool_calls,
 )
-from runner.policies.protocol import ContextList, Signals
 from tests.support import reference_gate, reference_wset2
 
 

@@ -135,7 +135,7 @@ def test_report_of_a_real_run(sim_run):
                                 "hit", "seconds", "result"]  # fmt: skip
     assert sorted(line.split()[0] for line in table[1:]) == sorted(ids)
     assert "solve rate: no task was evaluated" in p.stdout
-    assert "engine sim (tiny-cpu)" in p.stdout and "gate aimd" in p.stdout
+    assert "engine sim (tiny-cpu)" in p.stdout and "gate wset2" in p.stdout
     j = json.loads(report(str(sim_run), "--json").stdout)
     run = j["runs"][0]
     summary = json.loads((sim_run / "summary.json").read_text())

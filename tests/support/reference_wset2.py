@@ -14,8 +14,8 @@ import itertools
 import math
 
 from runner.policies.protocol import Contexts, Decision, Signals
-from runner.policies.experimental.wset2 import WorkingSet2
-from runner.policies.experimental.fit import _aimd_fallback, _capacity, _cut_or_fit
+from runner.policies.wset2 import WorkingSet2
+from runner.policies.fit import _aimd_fallback, _capacity, _cut_or_fit
 
 
 def update(

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from ..aimd import AIMD
-from ..protocol import Decision, Signals, Unit
-from .fit import _aimd_fallback, _capacity, _check_fit_params, _cut_or_fit
+from ..fit import _aimd_fallback, _capacity, _check_fit_params, _cut_or_fit
+from ..protocol import Decision, PauseRule, ResumeRule, Signals, Unit
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class WorkingSet:
     fallback: AIMD = AIMD()
 
     name: ClassVar[str] = "wset"
+    # LIFO both ways: the agent paused last is the likeliest to find its KV still cached
+    rules: ClassVar[tuple[PauseRule, ResumeRule]] = ("newest", "newest")
     unit: ClassVar[Unit] = "agent"
     wants_contexts: ClassVar[bool] = True
     wants_tools: ClassVar[bool] = False

@@ -1,12 +1,12 @@
-"""Helpers of the working-set policies (wset, wset2): fall back on AIMD, cut or fit, the
-pool they fit to."""
+"""Helpers of the working-set policies (wset2, and the experiment wset): fall back on AIMD,
+cut or fit, the pool they fit to."""
 
 from __future__ import annotations
 
 import math
 
-from ..aimd import AIMD
-from ..protocol import Decision, Signals
+from .aimd import AIMD
+from .protocol import Decision, Signals
 
 
 def _aimd_fallback(fallback: AIMD, s: Signals) -> Decision:

@@ -15,9 +15,9 @@ by side in one run on one machine, model and thread count (issue 28 a-d).
     (the event-loop thread: gate, agents, bookkeeping, store) against the engine's busy
     time, peak RSS.
 (d) the same batch with longer agents whose working set exceeds the pool (--pool-tokens
-    32768), under `none`, `aimd` (the default), and the default with a pool that holds
-    everything (the no-contention reference): batch seconds, hit rate, evictions,
-    preemptions, recomputed tokens.
+    32768), under `none`, `aimd` (the paper's law; the default until session 16), and `aimd`
+    with a pool that holds everything (the no-contention reference); `--d-runs` adds
+    `wset2`: batch seconds, hit rate, evictions, preemptions, recomputed tokens.
 
     python -m bench.cpu_engine [--parts a,b,c,d] [--out bench/results/cpu-engine/cpu-engine.json]
 

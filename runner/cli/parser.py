@@ -233,8 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
         "request-cap:N, and the experiment wset; `python run.py policies` lists each with its "
         "parameters and defaults (docs/policies.md)",
     )
-    aimd = AIMD()  # the flags' defaults are AIMD's own; unset flags are not passed on
-    g.add_argument("--alpha", type=int, help=f"AIMD: additive increase (default: {aimd.alpha})")
+    # the flags' defaults are AIMD's own; unset flags are not passed on. They need --policy
+    # aimd (or a policy that falls back on AIMD, named: runner/cli/main.py policy_from_args)
+    aimd = AIMD()
+    g.add_argument(
+        "--alpha",
+        type=int,
+        help=f"AIMD (with --policy aimd): additive increase (default: {aimd.alpha})",
+    )
     g.add_argument(
         "--beta", type=float, help=f"AIMD: multiplicative decrease (default: {aimd.beta})"
     )

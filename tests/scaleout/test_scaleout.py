@@ -298,7 +298,11 @@ def test_sigkill_of_the_driver_then_a_rerun_runs_only_the_unfinished(cluster, tm
 def test_sim_workers_each_log_their_own_control_timeline(cluster, tmp_path):
     out = tmp_path / "sim"
     cmd = _run_py("--engine", "sim", "--workload", "tiny", "--sim-deployment", "tiny-cpu")
-    cmd += ["--ray", cluster.address, "--workers", "2", "--out", str(out)]
+    # periods of 0.1 simulated s: a worker's share of the tiny batch spans several of them
+    # (under the default wset2, which admits a worker's agents at once, a 2-s period can
+    # outlast a worker's whole share)
+    cmd += ["--control-period", "0.1", "--ray", cluster.address, "--workers", "2"]
+    cmd += ["--out", str(out)]
     assert subprocess.run(cmd, env=_env(), timeout=180).returncode == 0
     lines = [json.loads(x) for x in (out / "control.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())

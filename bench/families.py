@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common.paper_runs import CONTROL_PERIOD, HICACHE_RATIO, RULES, work_digest
+from bench.common.paper_runs import CONTROL_PERIOD, HICACHE_RATIO, rules_of, work_digest
 from bench.common.paths import FAMILIES_RESULTS as RESULTS
 from bench.common.paths import FAMILIES_RUNS as RUNS
 from runner.policies.registry import make_policy
@@ -173,16 +173,10 @@ def instances(n: int = N_INSTANCES) -> list[Instance]:
 # ---- runs -------------------------------------------------------------------------------
 
 
-def rules(system: str) -> tuple[str, str]:
-    """The (pause, resume) rules a system runs with: the paper bench's for its policy (a
-    system is a `--policy` spec)."""
-    return RULES.get(system.split(":")[0], ("newest", "oldest"))
-
-
 def cli(inst: Instance, seed: int, system: str, trace: str) -> str:
     """The `run.py` command that runs the same batch (with the instance's trace written by
     `python -m bench.families trace KEY --seed S`)."""
-    pause, resume = rules(system)
+    pause, resume = rules_of(system)
     argv = ["--engine", "sim", "--workload", trace, "--sim-deployment", inst.deployment]
     argv += ["--sim-pool-scale", f"{inst.pool_scale:g}", "--policy", system]
     argv += ["--control-period", f"{CONTROL_PERIOD:g}", "--pause-rule", pause]
@@ -194,7 +188,7 @@ def cli(inst: Instance, seed: int, system: str, trace: str) -> str:
 
 def execute(job: tuple[Instance, int, str]) -> dict[str, Any]:
     inst, seed, system = job
-    pause, resume = rules(system)
+    pause, resume = rules_of(system)
     out = RUNS / f"{inst.key}-s{seed}-{system.replace(':', '')}"
     r = simulate(
         inst.workload(seed),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.paths import PAPER_RUNS
-from runner.policies.registry import make_policy
+from runner.policies.registry import make_policy, policy_class
 from runner.sim.simulate import simulate
 from runner.sim.workload import PRESETS, synthetic
 
@@ -92,8 +92,18 @@ SYSTEMS = [
     "wset2",
     "wset2+hicache",
 ]
-# wset resumes the most recently paused agent first (its KV is likeliest still cached)
-RULES = {s: ("newest", "newest") for s in ("wset", "wset+hicache", "wset2", "wset2+hicache")}
+
+
+def rules_of(spec: str) -> tuple[str, str]:
+    """The gate's (pause, resume) rules a policy spec runs with: the policy's own `rules`, as
+    `run.py` defaults --pause-rule and --resume-rule to them (wset and wset2 resume the most
+    recently paused agent first, its KV likeliest still cached; the others the oldest)."""
+    cls = policy_class(spec.partition(":")[0])
+    if cls is None:
+        raise ValueError(f"unknown policy in {spec!r}")
+    return cls.rules
+
+
 ROBUST_ROWS = ("qwen-tp8", "qwen-tp4", "qwen-tp2")
 ROBUSTNESS = {  # policy -> parameters: -50% and +100% of each default, on every Qwen row
     "wset": {
@@ -179,7 +189,7 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                     s,
                     policy,
                     hicache=s.endswith("hicache"),
-                    rules=RULES.get(s, ("newest", "oldest")),
+                    rules=rules_of(policy),
                 )
             )
     if quick:
@@ -198,7 +208,7 @@ def plan(only: str | None, quick: bool) -> list[Run]:
                             pol.removesuffix("+hicache"),
                             ((k, v),),
                             hicache=pol.endswith("+hicache"),
-                            rules=RULES[pol],
+                            rules=rules_of(pol.removesuffix("+hicache")),
                         )
                     )
     for c in cfgs:

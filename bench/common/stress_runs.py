@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.common.paper_runs import Run
+from bench.common.paper_runs import Run, rules_of
 
 CAPS = (16, 32, 64, 128)
 
@@ -33,16 +33,16 @@ ROWS = [
     Row("ds-spikes", "DeepSeek-V3 32 agents with spikes, TP16", "deepseek-v3-tp16-paper",
         "stress-deepseek-spikes"),
 ]  # fmt: skip
-# system -> (policy spec, host tier, (pause rule, resume rule))
-SYSTEMS: dict[str, tuple[str, bool, tuple[str, str]]] = {
-    "none": ("none", False, ("newest", "oldest")),
-    "hicache": ("none", True, ("newest", "oldest")),
-    "aimd": ("aimd", False, ("newest", "oldest")),
-    "wset": ("wset", False, ("newest", "newest")),
-    "wset+hicache": ("wset", True, ("newest", "newest")),
-    "wset2": ("wset2", False, ("newest", "newest")),
-    "wset2+hicache": ("wset2", True, ("newest", "newest")),
-    **{f"agent-cap:{n}": (f"agent-cap:{n}", False, ("newest", "oldest")) for n in CAPS},
+# system -> (policy spec, host tier); each runs with its policy's gate rules (rules_of)
+SYSTEMS: dict[str, tuple[str, bool]] = {
+    "none": ("none", False),
+    "hicache": ("none", True),
+    "aimd": ("aimd", False),
+    "wset": ("wset", False),
+    "wset+hicache": ("wset", True),
+    "wset2": ("wset2", False),
+    "wset2+hicache": ("wset2", True),
+    **{f"agent-cap:{n}": (f"agent-cap:{n}", False) for n in CAPS},
 }
 
 
@@ -51,7 +51,7 @@ def plan(only: str | None, systems: list[str] | None) -> list[Run]:
     for row in ROWS:
         if only not in (None, row.key):
             continue
-        for name, (spec, host, rules) in SYSTEMS.items():
+        for name, (spec, host) in SYSTEMS.items():
             if systems and name not in systems:
                 continue
             run = Run(
@@ -60,7 +60,7 @@ def plan(only: str | None, systems: list[str] | None) -> list[Run]:
                 name,
                 spec,  # with its parameters, as --policy takes it
                 hicache=host,
-                rules=rules,
+                rules=rules_of(spec),
                 deployment=row.deployment,
                 workload=row.workload,
             )

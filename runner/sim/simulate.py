@@ -168,6 +168,13 @@ def simulate(
         },
         run_loop=run_virtual,
     )
+    if outcome.exit_code:  # a signal or a dead engine stopped it: its figures describe no batch
+        by = outcome.summary.get("stopped_by")
+        raise RuntimeError(
+            f"the simulated batch of {workload.name} on {deployment} ({label or policy.name}) "
+            f"stopped before every agent ended (exit code {outcome.exit_code}"
+            f"{f', {by}' if by else ''}); no result; its run folder: {out}"
+        )
     return sim_result(outcome.summary, store, workload, deployment, policy, label)
 
 

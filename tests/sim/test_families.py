@@ -1,11 +1,8 @@
 """bench/families.py: the generated workload families of issue 31 and their checks."""
 
-import dataclasses
 import json
 import shlex
 from collections import Counter
-
-import pytest
 
 from bench import families
 from runner.sim.engine import deployment
@@ -43,15 +40,6 @@ def test_every_system_does_the_same_work_above_the_bound(tmp_path, monkeypatch):
     assert families.checks(runs, [bound]) == []
     assert len({r["work_digest"] for r in runs}) == 1
     assert all(r["by_status"] == {"submitted": inst.agents} for r in runs)
-
-
-def test_a_run_that_did_not_end_every_agent_is_not_recorded(tmp_path, monkeypatch):
-    # (a run stopped by SIGTERM drains and returns; one was once recorded with 0 seconds)
-    monkeypatch.setattr(families, "RUNS", tmp_path)
-    inst = min(families.instances(), key=lambda i: i.agents * sum(i.options["steps"]))
-    more = dataclasses.replace(inst, agents=inst.agents + 1)  # its workload has inst.agents
-    with pytest.raises(RuntimeError, match=f"{inst.agents} of {inst.agents + 1} agents ended"):
-        families.execute((more, 0, "none"))
 
 
 def _run(inst, system, seconds, digest="d"):

@@ -1,12 +1,19 @@
 """The real runner on the simulated engine, on virtual time."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from runner.policies.registry import make_policy
 from runner.sim.simulate import simulate
 from runner.sim.workload import synthetic
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(tmp_path, policy, name, **kw):
@@ -109,3 +116,33 @@ def test_host_tier_reloads_are_charged_at_its_bandwidth(tmp_path):
         forwards = e["seconds_prefill_new"] + e["seconds_prefill_recompute"]
         assert transfer - forwards <= e["seconds_host_load"] <= transfer
         assert e["seconds_host_load"] > 0
+
+
+def test_a_simulated_batch_stopped_by_a_signal_gives_no_result(tmp_path):
+    """A real SIGINT to a real simulation: the batch stops (exit code 130) and simulate()
+    raises, naming it, instead of returning figures of a batch that never finished (a
+    stopped bench run was once recorded with 0 simulated seconds)."""
+    out = tmp_path / "run"
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from runner.policies.registry import make_policy\n"
+        "from runner.sim.simulate import simulate\n"
+        "from runner.sim.workload import synthetic\n"
+        "simulate(synthetic('paper', seed=0), 'qwen3-32b-tp8', make_policy('none'), "
+        "Path(sys.argv[1]))\n"
+        "print('returned')\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    control = out / "control.jsonl"
+    deadline = time.monotonic() + 120
+    while not (control.exists() and control.stat().st_size) and time.monotonic() < deadline:
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)  # the batch is running: a period has been logged
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode != 0 and "returned" not in stdout
+    assert "the simulated batch of paper on qwen3-32b-tp8 (none) stopped before every" in stderr
+    assert "exit code 130" in stderr and str(out) in stderr
